@@ -1,0 +1,189 @@
+"""Model configuration and the named presets (paper §3, §5, Table 3, §6.3).
+
+Pure Python, no torch: `attn --help`, shell completion and `--dry-run` planning import this freely.
+A `ModelConfig` is the only argument of the model's constructor and is serialised, as JSON, into
+every model file. A `Preset` adds the training recipe (dropout, label smoothing, schedule, batch)
+to an architecture; presets are immutable and a changed recipe gets a new name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+CONFIG_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything needed to rebuild the network, and nothing about how it was trained."""
+
+    src_vocab_size: int
+    tgt_vocab_size: int
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    d_model: int = 512
+    d_ff: int = 2048
+    heads: int = 8
+    d_k: int = 64
+    d_v: int = 64
+    dropout: float = 0.1  # P_drop: sub-layer outputs and embeddings+positions (§5.4)
+    attention_dropout: float = 0.0  # not in the paper's base recipe; an option
+    positions: str = "sinusoidal"  # or "learned" (Table 3 row E)
+    max_positions: int = 1024  # table size for learned positions; sinusoids extend past it
+    norm: str = "post"  # "post" as published: LayerNorm(x + Dropout(Sublayer(x))); "pre" an option
+    share_embeddings: bool = True  # one matrix for source, target and pre-softmax (§3.4)
+    pad_id: int = 0
+    unk_id: int = 1
+    bos_id: int = 2
+    eos_id: int = 3
+    layer_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.positions not in ("sinusoidal", "learned"):
+            problems.append(f"positions must be 'sinusoidal' or 'learned', not {self.positions!r}")
+        if self.norm not in ("post", "pre"):
+            problems.append(f"norm must be 'post' or 'pre', not {self.norm!r}")
+        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
+            problems.append("shared embeddings need one vocabulary for source and target")
+        if self.d_model % 2:
+            problems.append("d_model must be even (sinusoidal positions pair sin and cos)")
+        for name in ("encoder_layers", "decoder_layers", "d_model", "d_ff", "heads", "d_k", "d_v"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be positive")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def to_json(self) -> str:
+        return json.dumps({"version": CONFIG_FORMAT_VERSION, **dataclasses.asdict(self)},
+                          sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        fields = json.loads(text)
+        version = fields.pop("version", None)
+        if version != CONFIG_FORMAT_VERSION:
+            raise ValueError(f"model config format version {version!r} is not supported "
+                             f"(this attn reads version {CONFIG_FORMAT_VERSION})")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"unknown model config fields: {', '.join(unknown)}")
+        return cls(**fields)
+
+
+ARCHITECTURE_FIELDS = ("encoder_layers", "decoder_layers", "d_model", "d_ff", "heads", "d_k",
+                       "d_v", "dropout", "attention_dropout", "positions", "norm")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named architecture plus the training recipe that goes with it."""
+
+    name: str
+    description: str
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    d_model: int = 512
+    d_ff: int = 2048
+    heads: int = 8
+    d_k: int = 64
+    d_v: int = 64
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    positions: str = "sinusoidal"
+    norm: str = "post"
+    label_smoothing: float = 0.1
+    warmup_steps: int = 4000
+    lr_scale: float = 1.0  # multiplies d_model^-0.5 · min(step^-0.5, step · warmup^-1.5)
+    batch_tokens: int = 25000  # per side, per optimizer step, over all processes (§5.1)
+    max_steps: int = 100_000
+    save_every: str = "10m"
+    average_last: int = 5  # checkpoints averaged for inference (§6.1)
+    paper_params_millions: float | None = None  # Table 3's count, for --dry-run
+
+    def model_config(self, src_vocab_size: int, tgt_vocab_size: int | None = None,
+                     **overrides) -> ModelConfig:
+        """The network for a vocabulary; `tgt_vocab_size` only for a separate target vocab."""
+        architecture = {name: getattr(self, name) for name in ARCHITECTURE_FIELDS}
+        architecture.update(overrides)
+        shared = tgt_vocab_size is None
+        return ModelConfig(src_vocab_size=src_vocab_size,
+                           tgt_vocab_size=src_vocab_size if shared else tgt_vocab_size,
+                           share_embeddings=shared, **architecture)
+
+
+def _layers(n: int) -> dict:
+    return {"encoder_layers": n, "decoder_layers": n}
+
+
+BASE = Preset("base", "Transformer base, Table 3 first row (65M params)", paper_params_millions=65)
+
+# Table 3: every row varies the base model; empty cells equal base. Rows (A) keep the computation
+# constant (d_k = d_v = d_model / h); row (B) changes d_k only. The last field is Table 3's
+# parameter count (blank cells equal base's 65M).
+_TABLE3_ROWS = {
+    "base-A1": ("(A) h=1, d_k=d_v=512", dict(heads=1, d_k=512, d_v=512), 65),
+    "base-A2": ("(A) h=4, d_k=d_v=128", dict(heads=4, d_k=128, d_v=128), 65),
+    "base-A3": ("(A) h=16, d_k=d_v=32", dict(heads=16, d_k=32, d_v=32), 65),
+    "base-A4": ("(A) h=32, d_k=d_v=16", dict(heads=32, d_k=16, d_v=16), 65),
+    "base-B1": ("(B) d_k=16", dict(d_k=16), 58),
+    "base-B2": ("(B) d_k=32", dict(d_k=32), 60),
+    "base-C1": ("(C) N=2", _layers(2), 36),
+    "base-C2": ("(C) N=4", _layers(4), 50),
+    "base-C3": ("(C) N=8", _layers(8), 80),
+    "base-C4": ("(C) d_model=256, d_k=d_v=32", dict(d_model=256, d_k=32, d_v=32), 28),
+    "base-C5": ("(C) d_model=1024, d_k=d_v=128", dict(d_model=1024, d_k=128, d_v=128), 168),
+    "base-C6": ("(C) d_ff=1024", dict(d_ff=1024), 53),
+    "base-C7": ("(C) d_ff=4096", dict(d_ff=4096), 90),
+    "base-D1": ("(D) P_drop=0.0", dict(dropout=0.0), 65),
+    "base-D2": ("(D) P_drop=0.2", dict(dropout=0.2), 65),
+    "base-D3": ("(D) eps_ls=0.0", dict(label_smoothing=0.0), 65),
+    "base-D4": ("(D) eps_ls=0.2", dict(label_smoothing=0.2), 65),
+    "base-E": ("(E) learned positional embedding instead of sinusoids",
+               dict(positions="learned"), 65),
+}
+
+PRESETS: dict[str, Preset] = {"base": BASE}
+for _name, (_what, _changes, _params) in _TABLE3_ROWS.items():
+    PRESETS[_name] = dataclasses.replace(
+        BASE, name=_name, description=f"Table 3 row {_what}",
+        paper_params_millions=_params, **_changes)
+
+PRESETS["big"] = dataclasses.replace(
+    BASE, name="big", description="Transformer big, Table 3 last row (213M params)",
+    d_model=1024, d_ff=4096, heads=16, dropout=0.3, max_steps=300_000, average_last=20,
+    paper_params_millions=213)
+PRESETS["big-enfr"] = dataclasses.replace(
+    PRESETS["big"], name="big-enfr", description="Transformer big for WMT14 en-fr (P_drop 0.1, §5.4)",
+    dropout=0.1, paper_params_millions=None)
+
+# §6.3: 4 layers, d_model 1024, "the rest as the en-de base model". We keep d_k = 64 (16 heads)
+# and d_ff = 4 · d_model as base does; dropout (residual and attention) is what the paper tuned on
+# section 22, and 0.2 is our starting point for WSJ-only training.
+PRESETS["parse-wsj"] = dataclasses.replace(
+    BASE, name="parse-wsj", description="Constituency parsing, §6.3 (4 layers, d_model 1024)",
+    encoder_layers=4, decoder_layers=4, d_model=1024, d_ff=4096, heads=16, dropout=0.2,
+    attention_dropout=0.2, paper_params_millions=None)
+
+# CPU presets: the paper's recipe at a size a laptop trains in minutes. Their warmup and learning
+# rate suit their much smaller batches (with warmup 4000 a 20-minute CPU run never leaves warmup).
+PRESETS["small"] = dataclasses.replace(
+    BASE, name="small", description="CPU demo/benchmark model: 3+3 layers, d_model 256, 4 heads",
+    encoder_layers=3, decoder_layers=3, d_model=256, d_ff=1024, heads=4, d_k=64, d_v=64,
+    dropout=0.1, warmup_steps=1000, lr_scale=2.0, batch_tokens=6000, max_steps=20_000,
+    save_every="2m", paper_params_millions=None)
+PRESETS["tiny"] = dataclasses.replace(
+    BASE, name="tiny", description="Test-sized model: 2+2 layers, d_model 64, 4 heads",
+    encoder_layers=2, decoder_layers=2, d_model=64, d_ff=256, heads=4, d_k=16, d_v=16,
+    dropout=0.1, warmup_steps=200, lr_scale=2.0, batch_tokens=2000, max_steps=2000,
+    save_every="1m", paper_params_millions=None)
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise KeyError(f"unknown preset {name!r}; choose from: {', '.join(PRESETS)}") from None

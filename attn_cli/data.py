@@ -1,0 +1,271 @@
+"""Training data: `attn binarize` writes it, `attn train` reads it memory-mapped.
+
+A data file is safetensors with, per side, flat int32 token ids (no BOS/EOS: the model adds them)
+and int64 offsets (n+1, offsets[i]:offsets[i+1] is pair i), the SentencePiece model bytes, and
+metadata: format, vocab checksums, counts, special ids. Memory stays bounded on both ends: binarize
+streams chunks through temporary files; the reader maps the file and touches only what it batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import stfile
+from .files import AttnError, decode_chunk, display_name, open_binary, take_lines
+from .vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocabulary
+
+DATA_FORMAT = "attn-data"
+DATA_FORMAT_VERSION = "1"
+SIDES = ("src", "tgt")
+
+
+@dataclass
+class BinarizeStats:
+    lines: int = 0
+    pairs: int = 0
+    dropped_empty: int = 0
+    dropped_too_long: int = 0
+    src_tokens: int = 0
+    tgt_tokens: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        return (f"{self.lines} lines read, {self.pairs} pairs kept, {self.dropped_empty} dropped "
+                f"(empty side), {self.dropped_too_long} dropped (too long); "
+                f"{self.src_tokens} source + {self.tgt_tokens} target tokens in "
+                f"{self.seconds:.1f}s")
+
+
+class _SideWriter:
+    """Appends one side's ids and offsets to temporary files (memory does not grow)."""
+
+    def __init__(self, directory: str, side: str):
+        self.ids_path = Path(directory) / f"{side}.ids"
+        self.offsets_path = Path(directory) / f"{side}.offsets"
+        self.ids = open(self.ids_path, "wb")
+        self.offsets = open(self.offsets_path, "wb")
+        self.offsets.write(np.zeros(1, dtype="<i8").tobytes())
+        self.total = 0
+        self.count = 0
+
+    def append(self, sequences: list[list[int]], lengths: np.ndarray) -> None:
+        flat = np.fromiter(itertools.chain.from_iterable(sequences), dtype="<i4",
+                           count=int(lengths.sum()))
+        flat.tofile(self.ids)
+        (self.total + np.cumsum(lengths, dtype="<i8")).astype("<i8").tofile(self.offsets)
+        self.total += int(lengths.sum())
+        self.count += len(sequences)
+
+    def close(self) -> list[stfile.TensorSource]:
+        self.ids.close()
+        self.offsets.close()
+        return [stfile.TensorSource(f"{self.ids_path.stem}.offsets", np.dtype("<i8"),
+                                    (self.count + 1,), file=self.offsets_path),
+                stfile.TensorSource(f"{self.ids_path.stem}.ids", np.dtype("<i4"),
+                                    (self.total,), file=self.ids_path)]
+
+
+def _mismatch(src_path, tgt_path, src_handle, tgt_handle, src_count, tgt_count) -> AttnError:
+    src_count += sum(1 for _ in src_handle)
+    tgt_count += sum(1 for _ in tgt_handle)
+    return AttnError(f"line counts differ: {display_name(src_path)} has {src_count} lines, "
+                     f"{display_name(tgt_path)} has {tgt_count}")
+
+
+def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
+             out_path: str | os.PathLike, src_vocab: Vocabulary,
+             tgt_vocab: Vocabulary | None = None, max_len: int = 1024, threads: int = 0,
+             chunk_lines: int = 50_000,
+             progress: Callable[[BinarizeStats], None] | None = None) -> BinarizeStats:
+    """Encode a parallel corpus into a data file. Pairs with an empty side or a side of more than
+    `max_len` subwords are dropped and counted. `tgt_vocab` only for a separate target vocabulary."""
+    if str(src_path) == "-" and str(tgt_path) == "-":
+        raise AttnError("source and target cannot both be stdin")
+    started = time.perf_counter()
+    stats = BinarizeStats()
+    vocabularies = {"src": src_vocab, "tgt": tgt_vocab or src_vocab}
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".binarize.", dir=out_path.parent) as scratch, \
+            open_binary(src_path) as src_handle, open_binary(tgt_path) as tgt_handle:
+        writers = {side: _SideWriter(scratch, side) for side in SIDES}
+        while True:
+            raw = {"src": take_lines(src_handle, chunk_lines), "tgt": take_lines(tgt_handle, chunk_lines)}
+            if len(raw["src"]) != len(raw["tgt"]):
+                raise _mismatch(src_path, tgt_path, src_handle, tgt_handle,
+                                stats.lines + len(raw["src"]), stats.lines + len(raw["tgt"]))
+            if not raw["src"]:
+                break
+            paths = {"src": src_path, "tgt": tgt_path}
+            encoded, lengths = {}, {}
+            for side in SIDES:
+                lines = decode_chunk(raw[side], paths[side], stats.lines + 1)
+                encoded[side] = vocabularies[side].encode(lines, threads)
+                lengths[side] = np.fromiter(map(len, encoded[side]), dtype=np.int64,
+                                            count=len(lines))
+            empty = (lengths["src"] == 0) | (lengths["tgt"] == 0)
+            too_long = ~empty & ((lengths["src"] > max_len) | (lengths["tgt"] > max_len))
+            keep = ~(empty | too_long)
+            stats.lines += len(raw["src"])
+            stats.dropped_empty += int(empty.sum())
+            stats.dropped_too_long += int(too_long.sum())
+            for side in SIDES:
+                sequences = encoded[side]
+                if not keep.all():
+                    sequences = [sequences[i] for i in np.flatnonzero(keep)]
+                writers[side].append(sequences, lengths[side][keep])
+            stats.pairs = writers["src"].count
+            stats.src_tokens, stats.tgt_tokens = writers["src"].total, writers["tgt"].total
+            if progress:
+                progress(stats)
+        if stats.lines == 0:
+            raise AttnError(f"{display_name(src_path)} and {display_name(tgt_path)} are empty")
+        if stats.pairs == 0:
+            raise AttnError(f"no pair left after dropping {stats.dropped_empty} with an empty "
+                            f"side and {stats.dropped_too_long} over {max_len} tokens")
+        tensors = writers["src"].close() + writers["tgt"].close()
+        tensors.append(stfile.TensorSource("vocab.src", np.dtype(np.uint8),
+                                           (len(src_vocab.model_bytes),),
+                                           data=src_vocab.model_bytes))
+        if tgt_vocab is not None:
+            tensors.append(stfile.TensorSource("vocab.tgt", np.dtype(np.uint8),
+                                               (len(tgt_vocab.model_bytes),),
+                                               data=tgt_vocab.model_bytes))
+        metadata = {
+            "format": DATA_FORMAT, "format_version": DATA_FORMAT_VERSION,
+            "src_vocab_sha256": src_vocab.checksum,
+            "tgt_vocab_sha256": vocabularies["tgt"].checksum,
+            "shared_vocab": "true" if tgt_vocab is None else "false",
+            "src_vocab_size": str(len(src_vocab)), "tgt_vocab_size": str(len(vocabularies["tgt"])),
+            "pairs": str(stats.pairs), "lines": str(stats.lines),
+            "dropped_empty": str(stats.dropped_empty),
+            "dropped_too_long": str(stats.dropped_too_long), "max_len": str(max_len),
+            "src_tokens": str(stats.src_tokens), "tgt_tokens": str(stats.tgt_tokens),
+            "pad_id": str(PAD_ID), "unk_id": str(UNK_ID), "bos_id": str(BOS_ID),
+            "eos_id": str(EOS_ID),
+            "src_file": Path(display_name(src_path)).name,
+            "tgt_file": Path(display_name(tgt_path)).name,
+        }
+        stfile.write_streaming(out_path, tensors, metadata)
+    stats.seconds = time.perf_counter() - started
+    return stats
+
+
+class ParallelData:
+    """A data file, memory-mapped. `src_lengths`/`tgt_lengths` count subwords without EOS/BOS."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        header = stfile.read_header(path, "data file")
+        self.metadata = header.metadata
+        found = header.metadata.get("format")
+        if found != DATA_FORMAT:
+            kind = "an attn model file" if found == "attn-model" else "not an attn data file"
+            raise AttnError(f"data file {path} is {kind}; make one with `attn binarize`")
+        if header.metadata.get("format_version") != DATA_FORMAT_VERSION:
+            raise AttnError(f"data file {path} has format version "
+                            f"{header.metadata.get('format_version')}, this attn reads "
+                            f"{DATA_FORMAT_VERSION}: binarize it again")
+        expected = {f"{side}.{part}" for side in SIDES for part in ("ids", "offsets")}
+        missing = expected - set(header.tensors)
+        if missing or "vocab.src" not in header.tensors:
+            raise AttnError(f"data file {path} is corrupt (missing {sorted(missing)})")
+        self.offsets = {side: stfile.memmap_tensor(path, header, f"{side}.offsets")
+                        for side in SIDES}
+        self.ids = {side: stfile.memmap_tensor(path, header, f"{side}.ids") for side in SIDES}
+        self.src_lengths = np.diff(self.offsets["src"])
+        self.tgt_lengths = np.diff(self.offsets["tgt"])
+        if (len(self.src_lengths) != len(self.tgt_lengths)
+                or self.offsets["src"][-1] != len(self.ids["src"])
+                or self.offsets["tgt"][-1] != len(self.ids["tgt"])):
+            raise AttnError(f"data file {path} is corrupt (offsets do not match the ids)")
+        self.src_vocab = Vocabulary(bytes(stfile.memmap_tensor(path, header, "vocab.src")))
+        self.tgt_vocab = (Vocabulary(bytes(stfile.memmap_tensor(path, header, "vocab.tgt")))
+                          if "vocab.tgt" in header.tensors else None)
+
+    @property
+    def shared_vocab(self) -> bool:
+        return self.tgt_vocab is None
+
+    def __len__(self) -> int:
+        return len(self.src_lengths)
+
+    def pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        return tuple(self.ids[side][self.offsets[side][index]:self.offsets[side][index + 1]]
+                     for side in SIDES)
+
+    def check_same_vocab(self, other: "ParallelData") -> None:
+        for key in ("src_vocab_sha256", "tgt_vocab_sha256"):
+            if self.metadata.get(key) != other.metadata.get(key):
+                raise AttnError(f"{other.path} was binarized with another vocabulary than "
+                                f"{self.path}: binarize both with the same --vocab")
+
+
+def token_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int,
+                  seed: int, epoch: int = 0) -> list[np.ndarray]:
+    """Length-bucketed batches bounded by a token budget (§5.1: "sentence pairs were batched
+    together by approximate sequence length").
+
+    Pairs are sorted by target then source length (ties broken at random from `seed` and
+    `epoch`), then packed greedily so that sentences × longest sentence, padding and EOS/BOS
+    included, stays within `max_tokens` on each side. The batch order is shuffled. A pair longer
+    than the budget on its own becomes a batch of one."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(src_lengths))
+    order = order[np.lexsort((src_lengths[order], tgt_lengths[order]))]
+    src_sorted = (src_lengths[order] + 1).tolist()  # + EOS
+    tgt_sorted = (tgt_lengths[order] + 1).tolist()  # + BOS (input) / EOS (output)
+    boundaries = [0]
+    longest_src = longest_tgt = 0
+    for position, (src_len, tgt_len) in enumerate(zip(src_sorted, tgt_sorted)):
+        longest_src = max(longest_src, src_len)
+        longest_tgt = max(longest_tgt, tgt_len)
+        count = position - boundaries[-1] + 1
+        if count > 1 and max(longest_src, longest_tgt) * count > max_tokens:
+            boundaries.append(position)
+            longest_src, longest_tgt = src_len, tgt_len
+    boundaries.append(len(order))
+    batches = [order[begin:end] for begin, end in zip(boundaries[:-1], boundaries[1:])]
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Padded int64 arrays: src_tokens = x + EOS, tgt_input = BOS + y, tgt_output = y + EOS."""
+
+    src_tokens: np.ndarray  # (B, S)
+    tgt_input: np.ndarray  # (B, T)
+    tgt_output: np.ndarray  # (B, T)
+
+    @property
+    def src_token_count(self) -> int:
+        return int((self.src_tokens != PAD_ID).sum())
+
+    @property
+    def tgt_token_count(self) -> int:
+        return int((self.tgt_output != PAD_ID).sum())
+
+
+def collate(data: ParallelData, indices: np.ndarray) -> Batch:
+    pairs = [data.pair(int(i)) for i in indices]
+    src_width = max(len(src) for src, _ in pairs) + 1
+    tgt_width = max(len(tgt) for _, tgt in pairs) + 1
+    src_tokens = np.full((len(pairs), src_width), PAD_ID, dtype=np.int64)
+    tgt_input = np.full((len(pairs), tgt_width), PAD_ID, dtype=np.int64)
+    tgt_output = np.full((len(pairs), tgt_width), PAD_ID, dtype=np.int64)
+    for row, (src, tgt) in enumerate(pairs):
+        src_tokens[row, :len(src)] = src
+        src_tokens[row, len(src)] = EOS_ID
+        tgt_input[row, 0] = BOS_ID
+        tgt_input[row, 1:len(tgt) + 1] = tgt
+        tgt_output[row, :len(tgt)] = tgt
+        tgt_output[row, len(tgt)] = EOS_ID
+    return Batch(src_tokens, tgt_input, tgt_output)

@@ -1,0 +1,131 @@
+"""Files: the one error type users see, UTF-8 line reading that names file and line, atomic writes.
+
+No torch here. Every command's I/O goes through these few functions so that the rules hold
+everywhere: a bad input is one `error: ...` line naming the file (and line), and nothing is ever
+half-written (temp file in the same directory + fsync + os.replace).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+STDIO = "-"
+
+
+class AttnError(Exception):
+    """A problem with the user's input or environment: shown as one `error: ...` line, exit 2."""
+
+
+def display_name(path: str | os.PathLike) -> str:
+    return "<stdin>" if str(path) == STDIO else str(path)
+
+
+def check_readable(path: str | os.PathLike, what: str = "file") -> Path:
+    """Fail early, with the file's name, for a missing, unreadable or directory input."""
+    p = Path(path)
+    if not p.exists():
+        raise AttnError(f"{what} {p} does not exist")
+    if p.is_dir():
+        raise AttnError(f"{what} {p} is a directory, not a file")
+    if not os.access(p, os.R_OK):
+        raise AttnError(f"{what} {p} is not readable")
+    return p
+
+
+@contextlib.contextmanager
+def open_binary(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Open an input for reading bytes; `-` is stdin."""
+    if str(path) == STDIO:
+        yield sys.stdin.buffer
+        return
+    check_readable(path)
+    with open(path, "rb") as handle:
+        yield handle
+
+
+def decode_line(raw: bytes, path: str | os.PathLike, line_number: int) -> str:
+    """One line of UTF-8 without its line ending, or an error naming file, line and byte column."""
+    try:
+        return raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as error:
+        raise AttnError(f"{display_name(path)}:{line_number}: invalid UTF-8 "
+                        f"(byte {error.start + 1} of the line)") from None
+
+
+def read_lines(path: str | os.PathLike) -> Iterator[str]:
+    """The lines of a UTF-8 text file (or `-`), lazily, without line endings."""
+    with open_binary(path) as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            yield decode_line(raw, path, line_number)
+
+
+def take_lines(handle: BinaryIO, count: int) -> list[bytes]:
+    """The next `count` raw lines (fewer at the end of the file)."""
+    lines = []
+    for raw in handle:
+        lines.append(raw)
+        if len(lines) == count:
+            break
+    return lines
+
+
+def decode_chunk(raw_lines: list[bytes], path: str | os.PathLike,
+                 first_line_number: int) -> list[str]:
+    """Decode consecutive raw lines; an error names the first bad line."""
+    try:
+        # One decode call for the whole chunk is much faster than one per line.
+        text = b"".join(raw_lines).decode("utf-8")
+    except UnicodeDecodeError:
+        for offset, raw in enumerate(raw_lines):
+            decode_line(raw, path, first_line_number + offset)  # raises, naming the line
+        raise
+    lines = text.split("\n")
+    if text.endswith("\n"):
+        lines.pop()
+    # A lone "\r" inside a line is not a line break for us (only "\n" is), as for the reader above.
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside `path` to write to; renamed to `path` when the block ends cleanly,
+    removed otherwise, so readers see the old file or the whole new one, never a part."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
+                                             dir=target.parent)
+    os.close(descriptor)
+    try:
+        yield Path(temp_name)
+        os.chmod(temp_name, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual mode
+        with open(temp_name, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temp_name, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp_name)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike, mode: str = "wb") -> Iterator:
+    """An open file whose contents replace `path` atomically when the block ends cleanly."""
+    with atomic_path(path) as temp, open(temp, mode) as handle:
+        yield handle
+
+
+def write_lines(lines: Iterable[str], handle) -> None:
+    for line in lines:
+        handle.write(line + "\n")

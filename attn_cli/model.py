@@ -1,0 +1,295 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), §3.
+
+The one model module every subcommand shares. It imports only torch and does no I/O. Shapes in
+comments: B batch, S source length, T target length, D d_model, H heads, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+
+
+def sinusoidal_positions(length: int, d_model: int) -> Tensor:
+    """§3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))."""
+    position = torch.arange(length, dtype=torch.float64).unsqueeze(1)  # (L, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (D/2,)
+    angle = position / torch.pow(10000.0, two_i / d_model)  # (L, D/2)
+    table = torch.empty(length, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angle)
+    table[:, 1::2] = torch.cos(angle)
+    return table.float()
+
+
+class MultiHeadAttention(nn.Module):
+    """§3.2.2: MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,
+    head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V), Attention = softmax(Q K^T / sqrt(d_k)) V.
+
+    The h per-head projections are stored as one matrix each (h·d_k columns). Self-attention
+    projects queries, keys and values in one matmul; encoder-decoder attention projects the
+    encoder output to keys and values once per source batch (`project_memory`).
+    """
+
+    def __init__(self, config: ModelConfig, cross: bool):
+        super().__init__()
+        self.heads, self.d_k, self.d_v = config.heads, config.d_k, config.d_v
+        self.cross = cross
+        self.attention_dropout = config.attention_dropout
+        q_width, v_width = config.heads * config.d_k, config.heads * config.d_v
+        if cross:
+            self.q_proj = nn.Linear(config.d_model, q_width)
+            self.kv_proj = nn.Linear(config.d_model, q_width + v_width)
+        else:
+            self.qkv_proj = nn.Linear(config.d_model, 2 * q_width + v_width)
+        self.out_proj = nn.Linear(v_width, config.d_model)
+
+    def _split_heads(self, x: Tensor, width: int) -> Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, self.heads, width).transpose(1, 2)  # (B, H, L, width)
+
+    def project_memory(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of the encoder output for encoder-decoder attention: (B, H, S, d)."""
+        keys, values = self.kv_proj(memory).split(
+            [self.heads * self.d_k, self.heads * self.d_v], dim=-1)
+        return self._split_heads(keys, self.d_k), self._split_heads(values, self.d_v)
+
+    def project_self(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q_width, v_width = self.heads * self.d_k, self.heads * self.d_v
+        queries, keys, values = self.qkv_proj(x).split([q_width, q_width, v_width], dim=-1)
+        return (self._split_heads(queries, self.d_k), self._split_heads(keys, self.d_k),
+                self._split_heads(values, self.d_v))
+
+    def attend(self, queries: Tensor, keys: Tensor, values: Tensor,
+               mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        """Scaled dot-product attention over heads; `mask` is True where a key may be attended."""
+        context = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, is_causal=causal,
+            dropout_p=self.attention_dropout if self.training else 0.0)  # (B, H, Lq, d_v)
+        batch, _, length, _ = context.shape
+        return self.out_proj(context.transpose(1, 2).reshape(batch, length, -1))
+
+
+class FeedForward(nn.Module):
+    """§3.3: FFN(x) = max(0, x W1 + b1) W2 + b2."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.inner = nn.Linear(config.d_model, config.d_ff)
+        self.outer = nn.Linear(config.d_ff, config.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.outer(F.relu(self.inner(x)))
+
+
+class Sublayers(nn.Module):
+    """§3.1 / §5.4: each sub-layer's output is LayerNorm(x + Dropout(Sublayer(x))) (post-norm, as
+    published). The pre-norm variant x + Dropout(Sublayer(LayerNorm(x))) is an option."""
+
+    def __init__(self, config: ModelConfig, count: int):
+        super().__init__()
+        self.pre_norm = config.norm == "pre"
+        self.norms = nn.ModuleList(nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+                                   for _ in range(count))
+        self.dropout = nn.Dropout(config.dropout)
+
+    def before(self, index: int, x: Tensor) -> Tensor:
+        """The sub-layer's input."""
+        return self.norms[index](x) if self.pre_norm else x
+
+    def after(self, index: int, x: Tensor, sublayer_output: Tensor) -> Tensor:
+        """The block's output: residual add, with the norm after it in post-norm."""
+        y = x + self.dropout(sublayer_output)
+        return y if self.pre_norm else self.norms[index](y)
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(config, cross=False)
+        self.ffn = FeedForward(config)
+        self.sub = Sublayers(config, 2)
+
+    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:  # (B, S, D)
+        q, k, v = self.self_attn.project_self(self.sub.before(0, x))
+        x = self.sub.after(0, x, self.self_attn.attend(q, k, v, mask=src_mask))
+        return self.sub.after(1, x, self.ffn(self.sub.before(1, x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(config, cross=False)
+        self.cross_attn = MultiHeadAttention(config, cross=True)
+        self.ffn = FeedForward(config)
+        self.sub = Sublayers(config, 3)
+
+    def forward(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor,
+                past_kv: tuple[Tensor, Tensor] | None = None
+                ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """x: (B, T, D). Without `past_kv` the T positions attend causally among themselves
+        (teacher forcing); with it, x is the one next position and attends to every cached one.
+        Returns the output and the self-attention keys/values including x's (the grown cache)."""
+        q, k, v = self.self_attn.project_self(self.sub.before(0, x))
+        if past_kv is None:
+            attended = self.self_attn.attend(q, k, v, causal=True)
+        else:
+            if x.shape[1] != 1:
+                raise ValueError("incremental decoding takes one position at a time")
+            k = torch.cat([past_kv[0], k], dim=2)
+            v = torch.cat([past_kv[1], v], dim=2)
+            # The one new position has every cached key in its past: no mask needed.
+            attended = self.self_attn.attend(q, k, v)
+        x = self.sub.after(0, x, attended)
+        h = self.sub.before(1, x)
+        queries = self.cross_attn._split_heads(self.cross_attn.q_proj(h), self.cross_attn.d_k)
+        x = self.sub.after(1, x, self.cross_attn.attend(queries, *memory_kv, mask=src_mask))
+        return self.sub.after(2, x, self.ffn(self.sub.before(2, x))), (k, v)
+
+
+@dataclass(frozen=True)
+class DecoderCache:
+    """State of incremental decoding, passed in and returned (no state hides in the modules).
+
+    src_mask: (B, 1, 1, S) True at real source tokens. memory_kv: per decoder layer, the
+    encoder-decoder attention keys/values, computed once per source batch. self_kv: per layer, the
+    self-attention keys/values of every position decoded so far, (B, H, t, d). step: t.
+    """
+
+    src_mask: Tensor
+    memory_kv: tuple[tuple[Tensor, Tensor], ...]
+    self_kv: tuple[tuple[Tensor, Tensor], ...]
+    step: int = 0
+
+    def reorder(self, indices: Tensor) -> "DecoderCache":
+        """Select (and repeat) batch rows: beam reordering, expanding to beams, dropping
+        finished sentences."""
+        def pick(pair):
+            return pair[0].index_select(0, indices), pair[1].index_select(0, indices)
+        return DecoderCache(
+            src_mask=self.src_mask.index_select(0, indices),
+            memory_kv=tuple(pick(kv) for kv in self.memory_kv),
+            self_kv=tuple(pick(kv) for kv in self.self_kv),
+            step=self.step)
+
+
+class Transformer(nn.Module):
+    """§3.1 encoder-decoder. `forward` is teacher-forced; `encode` + `start_decoding` +
+    `decode_step` are the incremental path used by search."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        d_model = config.d_model
+        # §3.4: one embedding matrix for source, target and the pre-softmax projection.
+        self.tgt_embed = nn.Embedding(config.tgt_vocab_size, d_model, padding_idx=config.pad_id)
+        self.src_embed = (self.tgt_embed if config.share_embeddings
+                          else nn.Embedding(config.src_vocab_size, d_model,
+                                            padding_idx=config.pad_id))
+        self.embed_scale = math.sqrt(d_model)
+        if config.positions == "learned":
+            self.learned_positions = nn.Embedding(config.max_positions, d_model)
+        self.register_buffer("sinusoids", sinusoidal_positions(config.max_positions, d_model),
+                             persistent=False)
+        self.embed_dropout = nn.Dropout(config.dropout)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(config)
+                                            for _ in range(config.encoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(config)
+                                            for _ in range(config.decoder_layers))
+        if config.norm == "pre":  # pre-norm stacks end with a norm; post-norm already did
+            self.encoder_norm = nn.LayerNorm(d_model, eps=config.layer_norm_eps)
+            self.decoder_norm = nn.LayerNorm(d_model, eps=config.layer_norm_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+        # Embeddings ~ N(0, d_model^-1): scaled by sqrt(d_model) they start at unit variance,
+        # the scale of the sinusoids they are added to.
+        for embedding in {self.src_embed, self.tgt_embed}:
+            nn.init.normal_(embedding.weight, std=self.config.d_model ** -0.5)
+            with torch.no_grad():
+                embedding.weight[self.config.pad_id].zero_()
+        if self.config.positions == "learned":
+            nn.init.normal_(self.learned_positions.weight, std=self.config.d_model ** -0.5)
+
+    def positions(self, start: int, length: int) -> Tensor:  # (length, D)
+        end = start + length
+        if self.config.positions == "learned":
+            if end > self.config.max_positions:
+                raise ValueError(f"sequence of {end} positions is longer than the "
+                                 f"{self.config.max_positions} learned positions")
+            return self.learned_positions.weight[start:end]
+        if end > self.sinusoids.shape[0]:
+            return sinusoidal_positions(end, self.config.d_model).to(self.sinusoids.device)[start:]
+        return self.sinusoids[start:end]
+
+    def embed(self, embedding: nn.Embedding, tokens: Tensor, start: int = 0) -> Tensor:
+        """§3.4-3.5: Dropout(sqrt(d_model) · E[tokens] + PE)."""
+        x = embedding(tokens) * self.embed_scale + self.positions(start, tokens.shape[1])
+        return self.embed_dropout(x)
+
+    def padding_mask(self, src_tokens: Tensor) -> Tensor:
+        return (src_tokens != self.config.pad_id)[:, None, None, :]  # (B, 1, 1, S)
+
+    def encode(self, src_tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """src_tokens (B, S) → memory (B, S, D) and the source mask (B, 1, 1, S)."""
+        src_mask = self.padding_mask(src_tokens)
+        x = self.embed(self.src_embed, src_tokens)
+        for layer in self.encoder_layers:
+            x = layer(x, src_mask)
+        if self.config.norm == "pre":
+            x = self.encoder_norm(x)
+        return x, src_mask
+
+    def output_logits(self, hidden: Tensor) -> Tensor:
+        """Pre-softmax projection, sharing the target embedding matrix: (..., D) → (..., V)."""
+        return F.linear(hidden, self.tgt_embed.weight)
+
+    def decode(self, tgt_input: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+        """Teacher-forced decoder: tgt_input (B, T) → hidden states (B, T, D)."""
+        x = self.embed(self.tgt_embed, tgt_input)
+        for layer in self.decoder_layers:
+            x, _ = layer(x, layer.cross_attn.project_memory(memory), src_mask)
+        return self.decoder_norm(x) if self.config.norm == "pre" else x
+
+    def forward(self, src_tokens: Tensor, tgt_input: Tensor) -> Tensor:
+        """src (B, S), tgt_input = BOS + y (B, T) → logits (B, T, V) for y + EOS."""
+        memory, src_mask = self.encode(src_tokens)
+        return self.output_logits(self.decode(tgt_input, memory, src_mask))
+
+    def start_decoding(self, memory: Tensor, src_mask: Tensor) -> DecoderCache:
+        """Encoder-decoder keys/values for every decoder layer, computed once per source batch,
+        and empty self-attention caches."""
+        batch, heads = memory.shape[0], self.config.heads
+        empty_k = memory.new_zeros(batch, heads, 0, self.config.d_k)
+        empty_v = memory.new_zeros(batch, heads, 0, self.config.d_v)
+        return DecoderCache(
+            src_mask=src_mask,
+            memory_kv=tuple(layer.cross_attn.project_memory(memory)
+                            for layer in self.decoder_layers),
+            self_kv=tuple((empty_k, empty_v) for _ in self.decoder_layers))
+
+    def decode_step(self, tokens: Tensor, cache: DecoderCache) -> tuple[Tensor, DecoderCache]:
+        """One incremental step: tokens (B,) at position cache.step → logits (B, V), new cache."""
+        x = self.embed(self.tgt_embed, tokens[:, None], start=cache.step)  # (B, 1, D)
+        grown = []
+        for layer, memory_kv, past_kv in zip(self.decoder_layers, cache.memory_kv, cache.self_kv):
+            x, kv = layer(x, memory_kv, cache.src_mask, past_kv=past_kv)
+            grown.append(kv)
+        if self.config.norm == "pre":
+            x = self.decoder_norm(x)
+        return self.output_logits(x[:, 0]), DecoderCache(
+            cache.src_mask, cache.memory_kv, tuple(grown), cache.step + 1)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (the shared embedding counted once)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,142 @@
+"""Subword vocabularies: learning a SentencePiece model (`attn vocab`) and carrying it around.
+
+A vocabulary travels as the bytes of its SentencePiece model: inside every data file and every
+model file, so that models and dictionaries never drift apart. Its identity is the SHA-256 of
+those bytes. The special ids are fixed: pad 0, unk 1, bos 2, eos 3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+from .files import AttnError, atomic_output, check_readable, read_lines
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+SPECIAL_PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
+
+
+def checksum(model_bytes: bytes) -> str:
+    return hashlib.sha256(model_bytes).hexdigest()
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """A SentencePiece model held as bytes, with its processor built on first use."""
+
+    model_bytes: bytes = field(repr=False)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "Vocabulary":
+        data = check_readable(path, "vocabulary").read_bytes()
+        vocabulary = cls(data)
+        try:
+            vocabulary.processor  # noqa: B018 - validate now, naming the file
+        except AttnError as error:
+            raise AttnError(f"{path}: {error}") from None
+        return vocabulary
+
+    @cached_property
+    def processor(self):
+        import sentencepiece
+
+        processor = sentencepiece.SentencePieceProcessor()
+        try:
+            processor.LoadFromSerializedProto(self.model_bytes)
+        except Exception:  # sentencepiece raises a bare RuntimeError/OSError for bad protos
+            raise AttnError("not a SentencePiece model (bad or truncated vocabulary)") from None
+        specials = {PAD_ID: processor.pad_id(), UNK_ID: processor.unk_id(),
+                    BOS_ID: processor.bos_id(), EOS_ID: processor.eos_id()}
+        if any(expected != actual for expected, actual in specials.items()):
+            raise AttnError("this SentencePiece model's special ids are not attn's "
+                            "(pad 0, unk 1, bos 2, eos 3): make it with `attn vocab`")
+        return processor
+
+    @cached_property
+    def checksum(self) -> str:
+        return checksum(self.model_bytes)
+
+    def __len__(self) -> int:
+        return self.processor.get_piece_size()
+
+    def encode(self, lines: list[str], threads: int = 0) -> list[list[int]]:
+        return self.processor.encode(lines, num_threads=threads or -1)
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        return self.processor.decode(ids)
+
+
+def sample_lines(paths: Iterable[str], sample_size: int, seed: int) -> tuple[list[str], int]:
+    """Up to `sample_size` non-empty lines of the files, a uniform sample (reservoir sampling,
+    bounded memory) when there are more; in file order when all fit. Returns (lines, total)."""
+    rng = random.Random(seed)
+    reservoir: list[str] = []
+    seen = 0
+    for path in paths:
+        for line in read_lines(path):
+            if not line.strip():
+                continue
+            seen += 1
+            if len(reservoir) < sample_size:
+                reservoir.append(line)
+            else:
+                slot = rng.randrange(seen)
+                if slot < sample_size:
+                    reservoir[slot] = line
+    return reservoir, seen
+
+
+def learn(lines: list[str], size: int, model_type: str = "bpe", coverage: float = 1.0,
+          seed: int = 1, threads: int = 0, verbose: bool = False) -> Vocabulary:
+    """Train a SentencePiece model on `lines` (already sampled) and return it."""
+    import sentencepiece
+
+    if not lines:
+        raise AttnError("no text to learn a vocabulary from (the input is empty)")
+    sentencepiece.set_random_generator_seed(seed)
+    model = io.BytesIO()
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_writer=model, model_type=model_type,
+            vocab_size=size, character_coverage=coverage,
+            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+            pad_piece=SPECIAL_PIECES[PAD_ID], unk_piece=SPECIAL_PIECES[UNK_ID],
+            bos_piece=SPECIAL_PIECES[BOS_ID], eos_piece=SPECIAL_PIECES[EOS_ID],
+            input_sentence_size=0, shuffle_input_sentence=False,  # we sampled already
+            max_sentence_length=1 << 16, num_threads=threads or os.cpu_count() or 1,
+            minloglevel=0 if verbose else 2)
+    except RuntimeError as error:
+        detail = str(error).strip().splitlines()[-1] if str(error).strip() else "unknown"
+        raise AttnError(f"SentencePiece could not learn a {size}-piece {model_type} vocabulary: "
+                        f"{detail}") from None
+    return Vocabulary(model.getvalue())
+
+
+def vocab_listing(vocabulary: Vocabulary) -> Iterator[str]:
+    """The `.vocab` companion: one `piece<TAB>score` line per id, as spm_train writes it."""
+    processor = vocabulary.processor
+    for piece_id in range(len(vocabulary)):
+        yield f"{processor.id_to_piece(piece_id)}\t{processor.get_score(piece_id):g}\n"
+
+
+def companion_vocab_path(model_path: str | os.PathLike) -> Path:
+    model_path = Path(model_path)
+    if model_path.suffix == ".model":
+        return model_path.with_suffix(".vocab")
+    return model_path.with_name(model_path.name + ".vocab")
+
+
+def write(vocabulary: Vocabulary, model_path: str | os.PathLike) -> Path:
+    """Write `spm.model` and `spm.vocab` atomically; returns the .vocab path."""
+    with atomic_output(model_path) as handle:
+        handle.write(vocabulary.model_bytes)
+    listing_path = companion_vocab_path(model_path)
+    with atomic_output(listing_path, "w") as handle:
+        handle.writelines(vocab_listing(vocabulary))
+    return listing_path
