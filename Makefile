@@ -1,0 +1,27 @@
+# Two entry points for a fresh checkout (see README.md):
+#   make demo   - install into .venv, then run the Multi30k pipeline on the bundled data
+#   make test   - install into .venv, then run the test suite
+# The local setup pins the CPU build of torch (pyproject.toml keeps `torch>=2.2` for real users).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo test clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet $(TORCH) -e '.[test]'
+	touch $@
+
+demo: install
+	PATH="$(abspath $(BIN)):$$PATH" $(MAKE) -C examples/multi30k
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) examples/multi30k/work

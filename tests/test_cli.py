@@ -1,0 +1,74 @@
+"""The command line as users and Makefiles see it: the real entry point, in subprocesses."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from attn_cli import __version__
+
+from .conftest import assert_clean_error, run_attn
+
+COMMANDS = ("vocab", "binarize", "train", "average", "decode", "score", "parse")
+
+
+def test_help_lists_every_subcommand():
+    result = run_attn("--help")
+    assert result.returncode == 0
+    for command in COMMANDS:
+        assert re.search(rf"^\s+{command}\s", result.stdout, re.MULTILINE), command
+
+
+def test_version():
+    result = run_attn("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"attn {__version__}"
+
+
+def test_console_script_is_installed():
+    attn = shutil.which("attn")
+    assert attn, "the `attn` console script is not on PATH"
+    result = subprocess.run([attn, "--version"], capture_output=True, text=True)
+    assert result.stdout.strip() == f"attn {__version__}"
+
+
+def test_help_does_not_import_torch():
+    """`attn --help` and completion must stay instant: no torch, no sentencepiece."""
+    code = ("import sys; from attn_cli.cli import main\n"
+            "try:\n    main(['train', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules, 'sentencepiece' in sys.modules, file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stderr.strip().splitlines()[-1] == "False False"
+
+
+@pytest.mark.parametrize("preset,low,high", [("base", 60e6, 67e6), ("big", 205e6, 220e6)])
+def test_dry_run_prints_parameter_count(preset, low, high):
+    result = run_attn("train", "--preset", preset, "--vocab-size", "37000", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    counts = re.findall(r"^params: (\d+)$", result.stdout, re.MULTILINE)
+    assert len(counts) == 1 and low <= int(counts[0]) <= high
+
+
+def test_dry_run_from_a_data_file(corpus, spm_model, tmp_path):
+    data = tmp_path / "train.st"
+    assert run_attn("binarize", "--vocab", spm_model, corpus["val.en"], corpus["val.de"],
+                    "-o", data).returncode == 0
+    result = run_attn("train", str(data), "--preset", "tiny", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "400 shared" in result.stdout
+
+
+def test_unknown_preset():
+    result = run_attn("train", "--preset", "huge", "--vocab-size", "100", "--dry-run")
+    assert_clean_error(result, "unknown preset 'huge'", "base", "big")
+
+
+def test_unknown_option_is_a_one_line_usage_error():
+    assert_clean_error(run_attn("vocab", "--frobnicate", "x"), "--frobnicate")
+
+
+def test_missing_required_option():
+    assert_clean_error(run_attn("binarize", "a", "b"), "--vocab")

@@ -1,0 +1,181 @@
+"""The core model against the paper's formulas (§3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from attn_cli.config import PRESETS, ModelConfig
+from attn_cli.model import MultiHeadAttention, Transformer, count_parameters, sinusoidal_positions
+
+torch.manual_seed(0)
+
+
+def tiny_config(**changes) -> ModelConfig:
+    return dataclasses.replace(PRESETS["tiny"].model_config(50), **{"dropout": 0.0, **changes})
+
+
+def random_tokens(batch: int, length: int, vocab: int = 50) -> torch.Tensor:
+    return torch.randint(4, vocab, (batch, length))
+
+
+def test_attention_is_softmax_of_scaled_dot_products():
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V, computed by hand per head."""
+    config = tiny_config(heads=2, d_k=8, d_v=6, d_model=16)
+    attention = MultiHeadAttention(config, cross=False).eval()
+    x = torch.randn(3, 5, 16)
+    mask = torch.ones(3, 1, 1, 5, dtype=torch.bool)
+    mask[1, ..., 3:] = False
+    queries, keys, values = attention.project_self(x)
+    got = attention.attend(queries, keys, values, mask=mask)
+
+    w_q, w_k, w_v = attention.qkv_proj.weight.split([16, 16, 12])
+    b_q, b_k, b_v = attention.qkv_proj.bias.split([16, 16, 12])
+    heads = []
+    for head in range(2):
+        q = x @ w_q[head * 8:(head + 1) * 8].T + b_q[head * 8:(head + 1) * 8]
+        k = x @ w_k[head * 8:(head + 1) * 8].T + b_k[head * 8:(head + 1) * 8]
+        v = x @ w_v[head * 6:(head + 1) * 6].T + b_v[head * 6:(head + 1) * 6]
+        scores = q @ k.transpose(1, 2) / math.sqrt(8)
+        scores = scores.masked_fill(~mask[:, 0], float("-inf"))
+        heads.append(torch.softmax(scores, dim=-1) @ v)
+    expected = attention.out_proj(torch.cat(heads, dim=-1))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_positional_encoding_matches_formula():
+    table = sinusoidal_positions(60, 32)
+    for pos in (0, 1, 7, 59):
+        for i in range(16):
+            angle = pos / 10000 ** (2 * i / 32)
+            assert table[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+def test_embeddings_are_shared_and_scaled():
+    model = Transformer(tiny_config()).eval()
+    assert model.src_embed is model.tgt_embed
+    tokens = random_tokens(2, 4)
+    expected = model.tgt_embed.weight[tokens] * math.sqrt(64) + sinusoidal_positions(4, 64)
+    torch.testing.assert_close(model.embed(model.src_embed, tokens), expected)
+    hidden = torch.randn(2, 3, 64)
+    torch.testing.assert_close(model.output_logits(hidden), hidden @ model.tgt_embed.weight.T)
+
+
+def test_future_target_tokens_cannot_change_earlier_outputs():
+    model = Transformer(tiny_config()).eval()
+    src, tgt = random_tokens(2, 6), random_tokens(2, 7)
+    before = model(src, tgt)
+    perturbed = tgt.clone()
+    perturbed[:, 4:] = random_tokens(2, 3)
+    after = model(src, perturbed)
+    torch.testing.assert_close(after[:, :4], before[:, :4])
+    assert not torch.allclose(after[:, 4:], before[:, 4:])
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_padding_cannot_change_outputs(norm):
+    """A sentence gives the same result alone and padded in a batch with a longer one, and
+    whatever the padded positions hold does not matter."""
+    model = Transformer(tiny_config(norm=norm)).eval()
+    short, long = random_tokens(1, 4), random_tokens(1, 9)
+    tgt = random_tokens(2, 5)
+    batch = torch.zeros(2, 9, dtype=torch.long)  # pad_id 0
+    batch[0, :4], batch[1] = short[0], long[0]
+    with torch.no_grad():
+        alone = model(short, tgt[:1])
+        torch.testing.assert_close(model(batch, tgt)[:1], alone, atol=1e-5, rtol=1e-5)
+        model.src_embed.weight[0] = torch.randn(64)  # perturb what padding positions carry
+        # (the shared matrix is also the output projection: skip the pad logit itself)
+        torch.testing.assert_close(model(batch, tgt)[:1, :, 1:], alone[..., 1:],
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("changes", [{}, {"norm": "pre"}, {"positions": "learned"},
+                                     {"heads": 1, "d_k": 8, "d_v": 32}])
+def test_incremental_decoding_equals_full_sequence(changes):
+    model = Transformer(tiny_config(**changes)).eval()
+    src = random_tokens(3, 8)
+    src[1, 5:] = 0
+    tgt = random_tokens(3, 10)
+    with torch.no_grad():
+        full = model(src, tgt)
+        memory, src_mask = model.encode(src)
+        cache = model.start_decoding(memory, src_mask)
+        steps = []
+        for position in range(tgt.shape[1]):
+            logits, cache = model.decode_step(tgt[:, position], cache)
+            steps.append(logits)
+    torch.testing.assert_close(torch.stack(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_reorder_selects_rows():
+    model = Transformer(tiny_config()).eval()
+    src, tgt = random_tokens(2, 5), random_tokens(2, 3)
+    with torch.no_grad():
+        memory, src_mask = model.encode(src)
+        cache = model.start_decoding(memory, src_mask)
+        for position in range(2):
+            _, cache = model.decode_step(tgt[:, position], cache)
+        swapped = cache.reorder(torch.tensor([1, 0, 0]))
+        logits, _ = model.decode_step(tgt[[1, 0, 0], 2], swapped)
+        full = model(src, tgt)
+    torch.testing.assert_close(logits, full[[1, 0, 0], 2], atol=1e-5, rtol=1e-5)
+
+
+def test_dropout_only_in_training():
+    model = Transformer(tiny_config(dropout=0.3, attention_dropout=0.2))
+    src, tgt = random_tokens(2, 6), random_tokens(2, 5)
+    model.eval()
+    torch.testing.assert_close(model(src, tgt), model(src, tgt))
+    model.train()
+    assert not torch.allclose(model(src, tgt), model(src, tgt))
+
+
+def test_post_norm_is_the_default_of_every_paper_preset():
+    for name, preset in PRESETS.items():
+        assert preset.norm == "post", name
+
+
+def test_config_round_trips_through_json():
+    config = PRESETS["big"].model_config(37000)
+    assert ModelConfig.from_json(config.to_json()) == config
+    with pytest.raises(ValueError):
+        ModelConfig.from_json(config.to_json().replace('"version": 1', '"version": 99'))
+
+
+def parameters(preset: str, vocab: int = 37000) -> int:
+    with torch.device("meta"):
+        return count_parameters(Transformer(PRESETS[preset].model_config(vocab)))
+
+
+@pytest.mark.parametrize("preset,millions", [("base", 65), ("big", 213)])
+def test_parameter_counts_match_table3(preset, millions):
+    assert parameters(preset) == pytest.approx(millions * 1e6, rel=0.04)
+
+
+def test_every_table3_row_is_near_its_count():
+    """Table 3 rounds, and its vocabulary was 'about 37K': allow 8% (row C1 is the furthest)."""
+    for name, preset in PRESETS.items():
+        if preset.paper_params_millions is not None:
+            assert parameters(name) == pytest.approx(preset.paper_params_millions * 1e6,
+                                                     rel=0.08), name
+
+
+def test_small_preset_is_the_benchmark_configuration():
+    small = PRESETS["small"]
+    assert (small.encoder_layers, small.decoder_layers, small.d_model, small.d_ff,
+            small.heads) == (3, 3, 256, 1024, 4)
+
+
+def test_table3_rows_change_only_what_the_table_says():
+    base = PRESETS["base"]
+    assert PRESETS["base-B1"].d_k == 16 and PRESETS["base-B1"].d_v == 64
+    assert PRESETS["base-A1"].heads * PRESETS["base-A1"].d_k == base.d_model
+    assert PRESETS["base-E"].positions == "learned"
+    assert PRESETS["base-D3"].label_smoothing == 0.0 and PRESETS["base-D3"].dropout == 0.1
+    assert PRESETS["big"].dropout == 0.3 and PRESETS["big"].d_model == 1024
+    assert PRESETS["parse-wsj"].encoder_layers == 4 and PRESETS["parse-wsj"].d_model == 1024
