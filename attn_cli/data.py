@@ -56,13 +56,11 @@ class _SideWriter:
         self.total = 0
         self.count = 0
 
-    def append(self, sequences: list[list[int]], lengths: np.ndarray) -> None:
-        flat = np.fromiter(itertools.chain.from_iterable(sequences), dtype="<i4",
-                           count=int(lengths.sum()))
-        flat.tofile(self.ids)
+    def append(self, flat_ids: np.ndarray, lengths: np.ndarray) -> None:
+        flat_ids.astype("<i4", copy=False).tofile(self.ids)
         (self.total + np.cumsum(lengths, dtype="<i8")).astype("<i8").tofile(self.offsets)
         self.total += int(lengths.sum())
-        self.count += len(sequences)
+        self.count += len(lengths)
 
     def close(self) -> list[stfile.TensorSource]:
         self.ids.close()
@@ -80,10 +78,20 @@ def _mismatch(src_path, tgt_path, src_handle, tgt_handle, src_count, tgt_count) 
                      f"{display_name(tgt_path)} has {tgt_count}")
 
 
+def _encode_side(raw_lines: list[bytes], path, first_line_number: int, vocabulary: Vocabulary,
+                 threads: int) -> tuple[np.ndarray, np.ndarray]:
+    """One chunk of one side → (flat int32 ids, int64 lengths)."""
+    sequences = vocabulary.encode(decode_chunk(raw_lines, path, first_line_number), threads)
+    lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
+    flat_ids = np.fromiter(itertools.chain.from_iterable(sequences), dtype="<i4",
+                           count=int(lengths.sum()))
+    return flat_ids, lengths
+
+
 def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
              out_path: str | os.PathLike, src_vocab: Vocabulary,
              tgt_vocab: Vocabulary | None = None, max_len: int = 1024, threads: int = 0,
-             chunk_lines: int = 50_000,
+             chunk_lines: int = 10_000,
              progress: Callable[[BinarizeStats], None] | None = None) -> BinarizeStats:
     """Encode a parallel corpus into a data file. Pairs with an empty side or a side of more than
     `max_len` subwords are dropped and counted. `tgt_vocab` only for a separate target vocabulary."""
@@ -94,34 +102,34 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
     vocabularies = {"src": src_vocab, "tgt": tgt_vocab or src_vocab}
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    paths = {"src": src_path, "tgt": tgt_path}
     with tempfile.TemporaryDirectory(prefix=".binarize.", dir=out_path.parent) as scratch, \
             open_binary(src_path) as src_handle, open_binary(tgt_path) as tgt_handle:
         writers = {side: _SideWriter(scratch, side) for side in SIDES}
         while True:
-            raw = {"src": take_lines(src_handle, chunk_lines), "tgt": take_lines(tgt_handle, chunk_lines)}
+            raw = {"src": take_lines(src_handle, chunk_lines),
+                   "tgt": take_lines(tgt_handle, chunk_lines)}
             if len(raw["src"]) != len(raw["tgt"]):
                 raise _mismatch(src_path, tgt_path, src_handle, tgt_handle,
                                 stats.lines + len(raw["src"]), stats.lines + len(raw["tgt"]))
             if not raw["src"]:
                 break
-            paths = {"src": src_path, "tgt": tgt_path}
-            encoded, lengths = {}, {}
-            for side in SIDES:
-                lines = decode_chunk(raw[side], paths[side], stats.lines + 1)
-                encoded[side] = vocabularies[side].encode(lines, threads)
-                lengths[side] = np.fromiter(map(len, encoded[side]), dtype=np.int64,
-                                            count=len(lines))
+            encoded = {side: _encode_side(raw[side], paths[side], stats.lines + 1,
+                                          vocabularies[side], threads) for side in SIDES}
+            del raw  # keep one chunk alive at a time: memory stays flat however long the corpus
+            lengths = {side: encoded[side][1] for side in SIDES}
             empty = (lengths["src"] == 0) | (lengths["tgt"] == 0)
             too_long = ~empty & ((lengths["src"] > max_len) | (lengths["tgt"] > max_len))
             keep = ~(empty | too_long)
-            stats.lines += len(raw["src"])
+            stats.lines += len(keep)
             stats.dropped_empty += int(empty.sum())
             stats.dropped_too_long += int(too_long.sum())
             for side in SIDES:
-                sequences = encoded[side]
+                flat_ids, side_lengths = encoded[side]
                 if not keep.all():
-                    sequences = [sequences[i] for i in np.flatnonzero(keep)]
-                writers[side].append(sequences, lengths[side][keep])
+                    flat_ids = flat_ids[np.repeat(keep, side_lengths)]
+                writers[side].append(flat_ids, side_lengths[keep])
+            del encoded
             stats.pairs = writers["src"].count
             stats.src_tokens, stats.tgt_tokens = writers["src"].total, writers["tgt"].total
             if progress:
