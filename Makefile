@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test clean
+.PHONY: install demo test completions clean
 
 install: $(VENV)/.installed
 
@@ -22,6 +22,9 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+completions: install
+	$(BIN)/python completions/generate.py
 
 clean:
 	rm -rf $(VENV) examples/multi30k/work

@@ -123,38 +123,100 @@ def binarize(
 def train(
     data: Optional[Path] = typer.Argument(None, metavar="TRAIN.st",
                                           help="Training data from `attn binarize`."),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="The run directory."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output",
+                                          help="The run directory (checkpoints, metrics)."),
+    valid: Optional[Path] = typer.Option(None, "--valid", help="Validation data (binarized "
+                                         "with the same vocabulary); scored at each save."),
     preset: str = typer.Option("base", "--preset", autocompletion=_preset_names,
                                help="Architecture and recipe: base, big, base-A1..base-E "
-                               "(Table 3), parse-wsj, small, tiny."),
+                               "(Table 3), big-enfr, parse-wsj, small, tiny."),
+    batch_tokens: Optional[int] = typer.Option(
+        None, "--batch-tokens", min=1, help="Tokens per side per optimizer step, summed over "
+        "all processes (paper: 25000). Default: the preset's."),
+    max_tokens: Optional[int] = typer.Option(
+        None, "--max-tokens", min=1, help="Cap on tokens per forward pass per process; "
+        "gradient accumulation makes up the batch."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=0,
+                                            help="Stop after this many steps (preset's)."),
+    max_time: Optional[str] = typer.Option(None, "--max-time",
+                                           help="Stop after this much training time (30m, 12h)."),
+    save_every: Optional[str] = typer.Option(None, "--save-every",
+                                             help="Checkpoint interval: a time (10m) or steps "
+                                             "(5000). Default: the preset's."),
+    keep: int = typer.Option(20, "--keep", min=1, help="Checkpoints kept (the newest)."),
+    seed: int = typer.Option(1, "--seed", help="Seed for initialisation, batches and dropout."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    dtype: str = typer.Option("auto", "--dtype", help="fp32, bf16, fp16 (CUDA, with loss "
+                              "scaling) or auto (bf16 on CUDA, fp32 on CPU)."),
+    lr_scale: Optional[float] = typer.Option(None, "--lr-scale", min=0.0,
+                                             help="Multiplies the paper's learning rate."),
+    warmup: Optional[int] = typer.Option(None, "--warmup", min=1, help="Warmup steps "
+                                         "(paper: 4000)."),
+    label_smoothing: Optional[float] = typer.Option(None, "--label-smoothing", min=0.0,
+                                                    max=1.0, help="ε_ls (paper: 0.1)."),
+    dropout: Optional[float] = typer.Option(None, "--dropout", min=0.0, max=1.0,
+                                            help="P_drop (paper: 0.1 base, 0.3 big)."),
+    log_every: int = typer.Option(100, "--log-every", min=1, help="Steps per metrics row."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in -o from its "
+                                "last checkpoint, exactly."),
+    reset_optimizer: bool = typer.Option(False, "--reset-optimizer",
+                                         help="On resume, start Adam's moments from zero."),
+    reset_schedule: bool = typer.Option(False, "--reset-schedule",
+                                        help="On resume, restart the warmup schedule."),
+    dist_timeout: float = typer.Option(30.0, "--dist-timeout", min=0.1,
+                                       help="Minutes a process waits for the others."),
     vocab_size: Optional[int] = typer.Option(None, "--vocab-size", min=8,
                                              help="Vocabulary size for --dry-run without data."),
-    dry_run: bool = typer.Option(False, "--dry-run",
-                                 help="Print the model summary and parameter count, then exit."),
+    nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Processes to plan the "
+                                        "batch for in --dry-run (default: WORLD_SIZE or 1)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the model summary, batch plan "
+                                 "and parameter count, then exit."),
 ) -> None:
-    """Train a model (paper §5). `--dry-run` shows what would be trained."""
+    """Train a model (paper §5). Data parallel: torchrun --nproc-per-node N -m attn_cli train."""
+    import os
+
     from .config import get_preset
 
     try:
-        chosen = get_preset(preset)
+        get_preset(preset)
     except KeyError as error:
         raise AttnError(error.args[0]) from None
+    options = dict(data=data, output=output, preset=preset, valid=valid,
+                   batch_tokens=batch_tokens, max_tokens=max_tokens, max_steps=max_steps,
+                   max_time=max_time, save_every=save_every, keep=keep, seed=seed,
+                   device=device, dtype=dtype, lr_scale=lr_scale, warmup=warmup,
+                   label_smoothing=label_smoothing, dropout=dropout, log_every=log_every,
+                   resume=resume, reset_optimizer=reset_optimizer,
+                   reset_schedule=reset_schedule, dist_timeout_minutes=dist_timeout)
+    from . import training
+
     if dry_run:
-        from .training import describe_model
-
-        if data is not None:
-            from .data import ParallelData
-
-            dataset = ParallelData(data)
-            src_size = len(dataset.src_vocab)
-            tgt_size = None if dataset.shared_vocab else len(dataset.tgt_vocab)
-        elif vocab_size is not None:
-            src_size, tgt_size = vocab_size, None
-        else:
-            raise AttnError("--dry-run needs a data file or --vocab-size")
-        print(describe_model(chosen, chosen.model_config(src_size, tgt_size)))
+        world_size = nproc or int(os.environ.get("WORLD_SIZE", "1"))
+        print(training.dry_run_report(training.TrainOptions(**options), vocab_size, world_size))
         return
-    _not_built("train", 3)
+    if data is None or output is None:
+        raise AttnError("train needs a data file and -o RUN_DIR (or --dry-run)")
+    training.train(training.TrainOptions(**options))
+
+
+@app.command()
+def average(
+    inputs: List[str] = typer.Argument(..., metavar="RUN_DIR | MODEL.st...",
+                                       help="A run directory, or checkpoint files."),
+    output: Path = typer.Option(..., "-o", "--output", help="The averaged model file."),
+    last: Optional[int] = typer.Option(None, "--last", min=1, help="Average the last N "
+                                       "checkpoints of the run directory (paper: 5 base, "
+                                       "20 big)."),
+) -> None:
+    """Average the parameters of checkpoints (paper §6.1): element-wise mean in float32."""
+    from .checkpoints import average_models, select_for_average, write_average
+
+    chosen = select_for_average(inputs, last)
+    for label, path in chosen:
+        log(f"average: {path} ({label})")
+    first, mean = average_models([path for _, path in chosen])
+    write_average(output, first, mean, [str(path) for _, path in chosen])
+    log(f"average: wrote {output}, the mean of {len(chosen)} checkpoint(s)")
 
 
 def _not_built(command: str, issue: int) -> None:
@@ -162,28 +224,204 @@ def _not_built(command: str, issue: int) -> None:
     raise typer.Exit(2)
 
 
-@app.command()
-def average() -> None:
-    """Average the parameters of checkpoints (paper §6.1)."""
-    _not_built("average", 3)
+def _text_stdout():
+    """stdout as UTF-8 text with "\n" line ends, whatever the locale."""
+    import io
+
+    return io.TextIOWrapper(sys.stdout.buffer, encoding="utf-8", newline="\n",
+                            write_through=False)
+
+
+def _set_threads(threads: int) -> None:
+    import os
+
+    import torch
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
 
 
 @app.command()
-def decode() -> None:
-    """Translate stdin to stdout with beam search (paper §6.1)."""
-    _not_built("decode", 4)
+def decode(
+    model_path: Path = typer.Option(..., "-m", "--model", help="A model file (.st)."),
+    beam: int = typer.Option(4, "--beam", min=1, help="Beam size (paper: 4); 1 is greedy."),
+    alpha: float = typer.Option(0.6, "--alpha", min=0.0, help="Length penalty α (paper: 0.6)."),
+    max_len_a: float = typer.Option(1.0, "--max-len-a", min=0.0,
+                                    help="Output length limit a·|x| + b: a (paper: 1)."),
+    max_len_b: int = typer.Option(50, "--max-len-b", min=0, help="... and b (paper: 50)."),
+    nbest: int = typer.Option(1, "--nbest", min=1, help="Print the K best as "
+                              "`index<TAB>score<TAB>hypothesis` lines (index from 0)."),
+    batch_tokens: int = typer.Option(8000, "--batch-tokens", min=1,
+                                     help="Source tokens per search batch."),
+    buffer_size: int = typer.Option(2000, "--buffer-size", min=1, help="Lines read ahead and "
+                                    "sorted by length (1: interactive, line by line)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), "
+                              "fp32, bf16 or fp16."),
+    threads: int = typer.Option(0, "--threads", min=0, help="CPU threads (0: all cores)."),
+    raw: bool = typer.Option(False, "--raw", help="Print subword pieces, not detokenized "
+                             "text."),
+    input_path: str = typer.Option("-", "-i", "--input", help="Read this file, not stdin."),
+) -> None:
+    """Translate stdin to stdout with beam search (paper §6.1): one line out per line in."""
+    from .devices import pick_device, resolve_dtype
+    from .files import open_binary
+    from .modelfile import load_model
+    from .translate import DecodeOptions, Translator, run
+
+    _set_threads(threads)
+    chosen_device = pick_device(device)
+    started = time.perf_counter()
+    loaded = load_model(model_path, device=chosen_device)
+    log(f"decode: model loaded in {time.perf_counter() - started:.2f}s")
+    options = DecodeOptions(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
+                            nbest=nbest, batch_tokens=batch_tokens, buffer_size=buffer_size,
+                            raw=raw)
+    translator = Translator(loaded, options, chosen_device, resolve_dtype(dtype, chosen_device),
+                            warn=log)
+    out = _text_stdout()
+    with open_binary(input_path) as stream:
+        stats = run(translator, stream, out, "<stdin>" if input_path == "-" else input_path)
+    out.flush()
+    log(f"decode: {stats.summary()}")
 
 
 @app.command()
-def score() -> None:
-    """Evaluate: BLEU/chrF, force-decoding perplexity, or EVALB bracketing F1."""
-    _not_built("score", 4)
+def score(
+    files: Optional[List[str]] = typer.Argument(None, metavar="[HYP | SRC TGT]",
+                                                help="Hypotheses ('-' or nothing: stdin); with "
+                                                "-m, the source and target files."),
+    ref: Optional[str] = typer.Option(None, "--ref", "-r", help="Reference translations."),
+    model_path: Optional[Path] = typer.Option(None, "-m", "--model", help="Force-decode SRC "
+                                              "TGT with this model: per-line log-probs."),
+    metrics: str = typer.Option("bleu,chrf", "--metrics", help="Comma-separated: bleu, chrf, "
+                                "ter."),
+    tokenize: str = typer.Option("13a", "--tokenize", help="BLEU tokenizer: 13a (sacreBLEU's "
+                                 "default), intl (the paper's tensor2tensor-style tokenized "
+                                 "BLEU), none, ..."),
+    lowercase: bool = typer.Option(False, "--lowercase", help="Case-insensitive scores."),
+    sentence_level: bool = typer.Option(False, "--sentence-level",
+                                        help="One score per line (the first metric)."),
+    trees: bool = typer.Option(False, "--trees", help="EVALB bracketing precision, recall, F1 "
+                               "and exact match of trees (COLLINS.prm conventions)."),
+    device: str = typer.Option("auto", "--device", help="With -m: auto, cpu or cuda."),
+    dtype: str = typer.Option("auto", "--dtype", help="With -m: auto, fp32, bf16, fp16."),
+    batch_tokens: int = typer.Option(8000, "--batch-tokens", min=1,
+                                     help="With -m: tokens per batch."),
+    threads: int = typer.Option(0, "--threads", min=0, help="With -m: CPU threads."),
+) -> None:
+    """Evaluate: sacreBLEU BLEU/chrF/TER with signatures, or force-decoding perplexity."""
+    from . import scoring
+
+    files = files or []
+    out = _text_stdout()
+    if trees:
+        if ref is None or len(files) > 1:
+            raise AttnError("score --trees takes --ref GOLD and one file of trees (or stdin)")
+        for line in scoring.tree_scores(ref, files[0] if files else "-", sentence_level):
+            out.write(line + "\n")
+        out.flush()
+        return
+    if model_path is not None:
+        if len(files) != 2:
+            raise AttnError("score -m MODEL takes two files: SRC TGT")
+        from .devices import pick_device, resolve_dtype
+        from .modelfile import load_model
+
+        sources, targets = scoring.read_parallel(files[0], files[1])
+        _set_threads(threads)
+        chosen_device = pick_device(device)
+        loaded = load_model(model_path, device=chosen_device)
+        started = time.perf_counter()
+        results = scoring.force_decode(loaded, sources, targets, chosen_device,
+                                       resolve_dtype(dtype, chosen_device), batch_tokens)
+        for result in results:
+            out.write(f"{result.log_prob:.4f}\t{result.tokens}\n")
+        out.flush()
+        tokens = sum(result.tokens for result in results)
+        log(f"score: {len(results)} pairs, {tokens} target tokens (EOS included), perplexity "
+            f"{scoring.perplexity(results):.4f} in {time.perf_counter() - started:.1f}s")
+        return
+    if ref is None:
+        raise AttnError("score needs --ref REF (or -m MODEL SRC TGT)")
+    if len(files) > 1:
+        raise AttnError("score --ref REF takes one hypothesis file (or stdin)")
+    hypotheses, references = scoring.read_parallel(files[0] if files else "-", ref)
+    names = [name.strip().lower() for name in metrics.split(",") if name.strip()]
+    if sentence_level:
+        for line in scoring.sentence_scores(hypotheses, references, names[0], tokenize):
+            out.write(line + "\n")
+    else:
+        for line in scoring.corpus_scores(hypotheses, references, names, tokenize, lowercase):
+            out.write(line + "\n")
+    out.flush()
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def parse() -> None:
-    """Constituency parsing with the same model (paper §6.3)."""
-    _not_built("parse", 5)
+parse_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
+                        context_settings={"help_option_names": ["-h", "--help"]})
+app.add_typer(parse_app, name="parse")
+
+
+@parse_app.callback()
+def parse(
+    context: typer.Context,
+    model_path: Optional[Path] = typer.Option(None, "-m", "--model",
+                                              help="A parser model file (.st)."),
+    beam: int = typer.Option(21, "--beam", min=1, help="Beam size (paper: 21)."),
+    alpha: float = typer.Option(0.3, "--alpha", min=0.0, help="Length penalty α (paper: 0.3)."),
+    max_len_a: float = typer.Option(1.0, "--max-len-a", min=0.0,
+                                    help="Output length limit a·|x| + b: a."),
+    max_len_b: int = typer.Option(300, "--max-len-b", min=0, help="... and b (paper: 300)."),
+    batch_tokens: int = typer.Option(4000, "--batch-tokens", min=1,
+                                     help="Source tokens per search batch."),
+    buffer_size: int = typer.Option(2000, "--buffer-size", min=1,
+                                    help="Lines read ahead (1: interactive)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto, fp32, bf16 or fp16."),
+    threads: int = typer.Option(0, "--threads", min=0, help="CPU threads (0: all cores)."),
+    input_path: str = typer.Option("-", "-i", "--input", help="Read this file, not stdin."),
+) -> None:
+    """Constituency parsing with the same model (paper §6.3): one tokenized sentence per line in,
+    one well-formed bracketed tree per line out, always. `attn parse linearize` makes the
+    training pairs from a treebank."""
+    if context.invoked_subcommand is not None:
+        return
+    if model_path is None:
+        raise AttnError("parse needs -m PARSER.st (or the subcommand `linearize`)")
+    from .devices import pick_device, resolve_dtype
+    from .files import open_binary
+    from .modelfile import load_model
+    from .parsing import tree_line
+    from .translate import DecodeOptions, Translator, run
+
+    _set_threads(threads)
+    chosen_device = pick_device(device)
+    loaded = load_model(model_path, device=chosen_device)
+    options = DecodeOptions(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
+                            batch_tokens=batch_tokens, buffer_size=buffer_size)
+    translator = Translator(loaded, options, chosen_device, resolve_dtype(dtype, chosen_device),
+                            warn=log)
+    out = _text_stdout()
+    with open_binary(input_path) as stream:
+        stats = run(translator, stream, out, "<stdin>" if input_path == "-" else input_path,
+                    render=lambda index, line, hypotheses: [tree_line(translator, line,
+                                                                      hypotheses)])
+    out.flush()
+    log(f"parse: {stats.summary()}")
+
+
+@parse_app.command("linearize")
+def parse_linearize(
+    treebank: List[str] = typer.Argument(..., metavar="TREEBANK_FILE",
+                                         help="Penn Treebank .mrg files (or one-line trees)."),
+    prefix: str = typer.Option(..., "-o", "--output", help="Writes PREFIX.src and PREFIX.tgt."),
+) -> None:
+    """Treebank files → training pairs: words (PREFIX.src) and linearized trees (PREFIX.tgt),
+    after the standard clean-up (no -NONE-, no function tags)."""
+    from .parsing import write_training_pairs
+
+    written, skipped = write_training_pairs(treebank, prefix)
+    log(f"parse linearize: {written} trees to {prefix}.src and {prefix}.tgt"
+        + (f" ({skipped} empty after clean-up, skipped)" if skipped else ""))
 
 
 # ----------------------------------------------------------------------------------------- main

@@ -15,12 +15,10 @@ from dataclasses import dataclass
 CONFIG_FORMAT_VERSION = 1
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """Everything needed to rebuild the network, and nothing about how it was trained."""
+@dataclass(frozen=True, kw_only=True)
+class Architecture:
+    """The sizes and choices Table 3 varies (defaults: the base model)."""
 
-    src_vocab_size: int
-    tgt_vocab_size: int
     encoder_layers: int = 6
     decoder_layers: int = 6
     d_model: int = 512
@@ -31,8 +29,16 @@ class ModelConfig:
     dropout: float = 0.1  # P_drop: sub-layer outputs and embeddings+positions (§5.4)
     attention_dropout: float = 0.0  # not in the paper's base recipe; an option
     positions: str = "sinusoidal"  # or "learned" (Table 3 row E)
-    max_positions: int = 1024  # table size for learned positions; sinusoids extend past it
     norm: str = "post"  # "post" as published: LayerNorm(x + Dropout(Sublayer(x))); "pre" an option
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(Architecture):
+    """Everything needed to rebuild the network, and nothing about how it was trained."""
+
+    src_vocab_size: int
+    tgt_vocab_size: int
+    max_positions: int = 1024  # table size for learned positions; sinusoids extend past it
     share_embeddings: bool = True  # one matrix for source, target and pre-softmax (§3.4)
     pad_id: int = 0
     unk_id: int = 1
@@ -74,27 +80,12 @@ class ModelConfig:
         return cls(**fields)
 
 
-ARCHITECTURE_FIELDS = ("encoder_layers", "decoder_layers", "d_model", "d_ff", "heads", "d_k",
-                       "d_v", "dropout", "attention_dropout", "positions", "norm")
-
-
-@dataclass(frozen=True)
-class Preset:
+@dataclass(frozen=True, kw_only=True)
+class Preset(Architecture):
     """A named architecture plus the training recipe that goes with it."""
 
     name: str
     description: str
-    encoder_layers: int = 6
-    decoder_layers: int = 6
-    d_model: int = 512
-    d_ff: int = 2048
-    heads: int = 8
-    d_k: int = 64
-    d_v: int = 64
-    dropout: float = 0.1
-    attention_dropout: float = 0.0
-    positions: str = "sinusoidal"
-    norm: str = "post"
     label_smoothing: float = 0.1
     warmup_steps: int = 4000
     lr_scale: float = 1.0  # multiplies d_model^-0.5 · min(step^-0.5, step · warmup^-1.5)
@@ -107,7 +98,8 @@ class Preset:
     def model_config(self, src_vocab_size: int, tgt_vocab_size: int | None = None,
                      **overrides) -> ModelConfig:
         """The network for a vocabulary; `tgt_vocab_size` only for a separate target vocab."""
-        architecture = {name: getattr(self, name) for name in ARCHITECTURE_FIELDS}
+        architecture = {field.name: getattr(self, field.name)
+                        for field in dataclasses.fields(Architecture)}
         architecture.update(overrides)
         shared = tgt_vocab_size is None
         return ModelConfig(src_vocab_size=src_vocab_size,
@@ -119,7 +111,8 @@ def _layers(n: int) -> dict:
     return {"encoder_layers": n, "decoder_layers": n}
 
 
-BASE = Preset("base", "Transformer base, Table 3 first row (65M params)", paper_params_millions=65)
+BASE = Preset(name="base", description="Transformer base, Table 3 first row (65M params)",
+              paper_params_millions=65)
 
 # Table 3: every row varies the base model; empty cells equal base. Rows (A) keep the computation
 # constant (d_k = d_v = d_model / h); row (B) changes d_k only. The last field is Table 3's
@@ -173,12 +166,17 @@ PRESETS["parse-wsj"] = dataclasses.replace(
 PRESETS["small"] = dataclasses.replace(
     BASE, name="small", description="CPU demo/benchmark model: 3+3 layers, d_model 256, 4 heads",
     encoder_layers=3, decoder_layers=3, d_model=256, d_ff=1024, heads=4, d_k=64, d_v=64,
-    dropout=0.1, warmup_steps=1000, lr_scale=2.0, batch_tokens=6000, max_steps=20_000,
+    dropout=0.1, warmup_steps=400, lr_scale=0.7, batch_tokens=3000, max_steps=20_000,
     save_every="2m", paper_params_millions=None)
+# Parsing on a CPU: the `small` architecture, with more dropout for a small treebank.
+PRESETS["parse-small"] = dataclasses.replace(
+    PRESETS["small"], name="parse-small",
+    description="CPU parsing model: 3+3 layers, d_model 256, dropout 0.3 (small treebanks)",
+    dropout=0.3, attention_dropout=0.1)
 PRESETS["tiny"] = dataclasses.replace(
     BASE, name="tiny", description="Test-sized model: 2+2 layers, d_model 64, 4 heads",
     encoder_layers=2, decoder_layers=2, d_model=64, d_ff=256, heads=4, d_k=16, d_v=16,
-    dropout=0.1, warmup_steps=200, lr_scale=2.0, batch_tokens=2000, max_steps=2000,
+    dropout=0.1, warmup_steps=200, lr_scale=0.5, batch_tokens=2000, max_steps=2000,
     save_every="1m", paper_params_millions=None)
 
 

@@ -122,7 +122,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike, mode: str = "wb") -> Iterator:
     """An open file whose contents replace `path` atomically when the block ends cleanly."""
-    with atomic_path(path) as temp, open(temp, mode) as handle:
+    encoding = None if "b" in mode else "utf-8"
+    with atomic_path(path) as temp, open(temp, mode, encoding=encoding) as handle:
         yield handle
 
 

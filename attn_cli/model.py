@@ -31,7 +31,9 @@ class MultiHeadAttention(nn.Module):
     """§3.2.2: MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,
     head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V), Attention = softmax(Q K^T / sqrt(d_k)) V.
 
-    The h per-head projections are stored as one matrix each (h·d_k columns). Self-attention
+    The h per-head projections are stored as one matrix each (h·d_k columns), without biases:
+    the paper's projections are matrices W^Q, W^K, W^V, W^O (as in tensor2tensor; a key bias
+    would in any case get no gradient, softmax being blind to a shift). Self-attention
     projects queries, keys and values in one matmul; encoder-decoder attention projects the
     encoder output to keys and values once per source batch (`project_memory`).
     """
@@ -43,11 +45,11 @@ class MultiHeadAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         q_width, v_width = config.heads * config.d_k, config.heads * config.d_v
         if cross:
-            self.q_proj = nn.Linear(config.d_model, q_width)
-            self.kv_proj = nn.Linear(config.d_model, q_width + v_width)
+            self.q_proj = nn.Linear(config.d_model, q_width, bias=False)
+            self.kv_proj = nn.Linear(config.d_model, q_width + v_width, bias=False)
         else:
-            self.qkv_proj = nn.Linear(config.d_model, 2 * q_width + v_width)
-        self.out_proj = nn.Linear(v_width, config.d_model)
+            self.qkv_proj = nn.Linear(config.d_model, 2 * q_width + v_width, bias=False)
+        self.out_proj = nn.Linear(v_width, config.d_model, bias=False)
 
     def _split_heads(self, x: Tensor, width: int) -> Tensor:
         batch, length, _ = x.shape
@@ -210,7 +212,8 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
-                nn.init.zeros_(module.bias)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
         # Embeddings ~ N(0, d_model^-1): scaled by sqrt(d_model) they start at unit variance,
         # the scale of the sinusoids they are added to.
         for embedding in {self.src_embed, self.tgt_embed}:
@@ -260,10 +263,14 @@ class Transformer(nn.Module):
             x, _ = layer(x, layer.cross_attn.project_memory(memory), src_mask)
         return self.decoder_norm(x) if self.config.norm == "pre" else x
 
-    def forward(self, src_tokens: Tensor, tgt_input: Tensor) -> Tensor:
-        """src (B, S), tgt_input = BOS + y (B, T) → logits (B, T, V) for y + EOS."""
+    def forward(self, src_tokens: Tensor, tgt_input: Tensor,
+                output_mask: Tensor | None = None) -> Tensor:
+        """src (B, S), tgt_input = BOS + y (B, T) → logits (B, T, V) for y + EOS; with
+        `output_mask` (B, T), only the logits of the masked-in positions, (N, V): training skips
+        the output projection of padding, the largest matmul of a small model."""
         memory, src_mask = self.encode(src_tokens)
-        return self.output_logits(self.decode(tgt_input, memory, src_mask))
+        hidden = self.decode(tgt_input, memory, src_mask)
+        return self.output_logits(hidden if output_mask is None else hidden[output_mask])
 
     def start_decoding(self, memory: Tensor, src_mask: Tensor) -> DecoderCache:
         """Encoder-decoder keys/values for every decoder layer, computed once per source batch,

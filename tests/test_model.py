@@ -33,12 +33,11 @@ def test_attention_is_softmax_of_scaled_dot_products():
     got = attention.attend(queries, keys, values, mask=mask)
 
     w_q, w_k, w_v = attention.qkv_proj.weight.split([16, 16, 12])
-    b_q, b_k, b_v = attention.qkv_proj.bias.split([16, 16, 12])
     heads = []
     for head in range(2):
-        q = x @ w_q[head * 8:(head + 1) * 8].T + b_q[head * 8:(head + 1) * 8]
-        k = x @ w_k[head * 8:(head + 1) * 8].T + b_k[head * 8:(head + 1) * 8]
-        v = x @ w_v[head * 6:(head + 1) * 6].T + b_v[head * 6:(head + 1) * 6]
+        q = x @ w_q[head * 8:(head + 1) * 8].T
+        k = x @ w_k[head * 8:(head + 1) * 8].T
+        v = x @ w_v[head * 6:(head + 1) * 6].T
         scores = q @ k.transpose(1, 2) / math.sqrt(8)
         scores = scores.masked_fill(~mask[:, 0], float("-inf"))
         heads.append(torch.softmax(scores, dim=-1) @ v)

@@ -1,0 +1,198 @@
+"""Run directories: checkpoints, the resume state beside them, and checkpoint averaging (§6.1).
+
+runs/NAME/checkpoint-STEP.st        a self-contained model file (decode accepts it as is)
+runs/NAME/checkpoint-STEP.state.st  what resuming needs besides the weights: Adam's moments, step,
+                                    data position, the options of the run (safetensors, no pickle)
+runs/NAME/metrics.jsonl             one JSON object per log interval
+
+A checkpoint counts only once both files exist; the state is written first, the model file last,
+each atomically, so a kill at any moment leaves the previous checkpoint whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .files import AttnError
+from .modelfile import LoadedModel, load_model, read_model_header, save_model, unwrap
+from .vocab import Vocabulary
+
+CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)\.st$")
+STATE_FORMAT = "attn-train-state"
+STATE_FORMAT_VERSION = "1"
+METRICS_FILE = "metrics.jsonl"
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return run_dir / f"checkpoint-{step}.st"
+
+
+def state_path(run_dir: Path, step: int) -> Path:
+    return run_dir / f"checkpoint-{step}.state.st"
+
+
+def list_checkpoints(run_dir: str | os.PathLike, need_state: bool = False) -> list[tuple[int, Path]]:
+    """(step, path) of the run's complete checkpoints, oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = []
+    for entry in run_dir.iterdir():
+        match = CHECKPOINT_PATTERN.match(entry.name)
+        if match and (not need_state or state_path(run_dir, int(match.group(1))).exists()):
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+@dataclass
+class ResumeState:
+    """Everything besides the weights that makes a resumed run continue exactly."""
+
+    step: int
+    epoch: int  # data position: the epoch whose batch order is being consumed...
+    offset: int  # ...and how many of its micro-batches are used up
+    elapsed_seconds: float
+    options: dict  # the run's options, to report what a resume changes
+    adam: dict[str, torch.Tensor]  # "exp_avg.NAME", "exp_avg_sq.NAME", "step.NAME"
+    scaler: dict  # fp16 loss-scaler state (empty otherwise)
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, state: ResumeState, src_vocab: Vocabulary,
+                    tgt_vocab: Vocabulary | None, provenance: dict[str, str]) -> Path:
+    from safetensors.torch import save_file
+
+    from .files import atomic_path
+
+    tensors = adam_tensors(model, optimizer)
+    metadata = {"format": STATE_FORMAT, "format_version": STATE_FORMAT_VERSION,
+                "step": str(step), "epoch": str(state.epoch), "offset": str(state.offset),
+                "elapsed_seconds": repr(state.elapsed_seconds),
+                "options": json.dumps(state.options, sort_keys=True),
+                "scaler": json.dumps(state.scaler)}
+    with atomic_path(state_path(run_dir, step)) as temp:
+        save_file(tensors, str(temp), metadata=metadata)
+    path = checkpoint_path(run_dir, step)
+    save_model(path, model, src_vocab, tgt_vocab, step=str(step), **provenance)
+    return path
+
+
+def adam_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Adam's per-parameter state keyed by parameter name (stable across processes and runs)."""
+    names = {id(p): name for name, p in unwrap(model).named_parameters()}
+    tensors = {}
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            state = optimizer.state.get(parameter)
+            if not state:
+                continue
+            name = names[id(parameter)]
+            for key in ("exp_avg", "exp_avg_sq"):
+                tensors[f"{key}.{name}"] = state[key].detach().to("cpu").contiguous()
+            tensors[f"step.{name}"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1)
+    return tensors
+
+
+def restore_adam(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 tensors: dict[str, torch.Tensor]) -> None:
+    for name, parameter in unwrap(model).named_parameters():
+        if f"exp_avg.{name}" not in tensors:
+            continue
+        optimizer.state[parameter] = {
+            "step": tensors[f"step.{name}"].reshape(()).clone(),
+            "exp_avg": tensors[f"exp_avg.{name}"].to(parameter.device),
+            "exp_avg_sq": tensors[f"exp_avg_sq.{name}"].to(parameter.device),
+        }
+
+
+def load_checkpoint(run_dir: Path, step: int, device) -> tuple[LoadedModel, ResumeState]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    loaded = load_model(checkpoint_path(run_dir, step), device=device)
+    path = state_path(run_dir, step)
+    with safe_open(str(path), "pt") as handle:
+        metadata = handle.metadata() or {}
+    if metadata.get("format") != STATE_FORMAT:
+        raise AttnError(f"{path} is not an attn training state")
+    state = ResumeState(step=int(metadata["step"]), epoch=int(metadata["epoch"]),
+                        offset=int(metadata["offset"]),
+                        elapsed_seconds=float(metadata["elapsed_seconds"]),
+                        options=json.loads(metadata["options"]), adam=load_file(str(path)),
+                        scaler=json.loads(metadata.get("scaler", "{}")))
+    return loaded, state
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    """Keep the newest `keep` checkpoints (model and state files)."""
+    complete = list_checkpoints(run_dir)
+    for step, path in complete[:max(0, len(complete) - keep)]:
+        path.unlink(missing_ok=True)
+        state_path(run_dir, step).unlink(missing_ok=True)
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop metrics rows after `step`: a resumed run redoes those steps."""
+    from .files import atomic_output
+
+    path = run_dir / METRICS_FILE
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    with atomic_output(path, "w") as handle:
+        handle.writelines(line + "\n" for line in kept)
+
+
+# ------------------------------------------------------------------------------------ averaging
+
+
+def select_for_average(inputs: list[str], last: int | None) -> list[tuple[str, Path]]:
+    """(label, path) of the checkpoints to average: the last N of a run directory by step, or the
+    files given."""
+    if len(inputs) == 1 and Path(inputs[0]).is_dir():
+        found = list_checkpoints(inputs[0])
+        if not found:
+            raise AttnError(f"no checkpoint-STEP.st files in {inputs[0]}")
+        chosen = found[-last:] if last else found
+        return [(f"step {step}", path) for step, path in chosen]
+    if last:
+        raise AttnError("--last takes one run directory; give either a directory or files")
+    return [(Path(path).name, Path(path)) for path in inputs]
+
+
+def average_models(paths: list[Path]) -> tuple[LoadedModel, dict[str, torch.Tensor]]:
+    """Element-wise mean of the parameters in float32, reading one file at a time. Refuses
+    files whose architecture or vocabulary differ from the first one's."""
+    first = load_model(paths[0])
+    sums = {name: tensor.detach().to(torch.float32).clone()
+            for name, tensor in first.model.state_dict().items()}
+    for path in paths[1:]:
+        _, config = read_model_header(path)
+        if config != first.config:
+            raise AttnError(f"{path} has another architecture than {paths[0]}: "
+                            "only checkpoints of one run can be averaged")
+        other = load_model(path)
+        if (other.src_vocab.checksum != first.src_vocab.checksum
+                or other.tgt_vocab.checksum != first.tgt_vocab.checksum):
+            raise AttnError(f"{path} has another vocabulary than {paths[0]}")
+        for name, tensor in other.model.state_dict().items():
+            sums[name] += tensor.to(torch.float32)
+    # State dicts list the shared embedding twice (same tensor): each name was summed once.
+    return first, {name: total / len(paths) for name, total in sums.items()}
+
+
+def write_average(output: Path, first: LoadedModel, mean: dict[str, torch.Tensor],
+                  sources: list[str]) -> None:
+    model = first.model
+    model.load_state_dict(mean)
+    tgt_vocab = None if first.tgt_vocab is first.src_vocab else first.tgt_vocab
+    save_model(output, model, first.src_vocab, tgt_vocab,
+               averaged_from=json.dumps(sources),
+               preset=first.metadata.get("preset", ""))

@@ -1,0 +1,200 @@
+"""`attn decode`: text in, translations out, one line per line, in order, as soon as ready.
+
+A reader thread pulls stdin lazily; the main loop takes whatever lines have arrived (at least
+one, at most `buffer_size`), sorts them by length into token-budget batches, searches, and writes
+the window's results in input order. A user typing sees each translation after pressing enter; a
+file streams through in windows of `buffer_size` lines.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .devices import autocast
+from .files import decode_line
+from .modelfile import LoadedModel
+from .search import Hypothesis, beam_search
+
+
+@dataclass
+class DecodeOptions:
+    beam: int = 4
+    alpha: float = 0.6
+    max_len_a: float = 1.0
+    max_len_b: int = 50
+    nbest: int = 1
+    batch_tokens: int = 8000
+    buffer_size: int = 2000
+    raw: bool = False
+
+
+@dataclass
+class DecodeStats:
+    sentences: int = 0
+    output_tokens: int = 0  # EOS included
+    seconds: float = 0.0
+    truncated: int = 0
+
+    def summary(self) -> str:
+        rate = self.output_tokens / self.seconds if self.seconds else 0.0
+        return (f"{self.sentences} sentences, {self.output_tokens} output tokens (EOS "
+                f"included) in {self.seconds:.2f}s: {self.sentences / max(self.seconds, 1e-9):.1f}"
+                f" sentences/s, {rate:.0f} tokens/s")
+
+
+_END = object()
+
+
+def read_windows(stream, buffer_size: int, name: str = "<stdin>") -> Iterator[list[str]]:
+    """Lines of a binary stream in windows: block for one line, then take what else has already
+    arrived, up to `buffer_size`. Invalid UTF-8 is an error naming the line."""
+    arrived: queue.Queue = queue.Queue(maxsize=max(2 * buffer_size, 2))
+
+    def pump():
+        try:
+            for raw in stream:
+                arrived.put(raw)
+        except BaseException as error:  # surfaced in the main thread
+            arrived.put(error)
+        arrived.put(_END)
+
+    threading.Thread(target=pump, daemon=True).start()
+    line_number = 0
+    while True:
+        window = []
+        item = arrived.get()
+        while True:
+            if item is _END:
+                if window:
+                    yield window
+                return
+            if isinstance(item, BaseException):
+                raise item
+            line_number += 1
+            window.append(decode_line(item, name, line_number))
+            if len(window) >= buffer_size:
+                break
+            try:
+                item = arrived.get_nowait()
+            except queue.Empty:
+                break
+        yield window
+
+
+def token_budget_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices sorted by length, cut so that sentences × longest ≤ batch_tokens (source side)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, current, longest = [], [], 0
+    for index in order:
+        longest_if_added = max(longest, lengths[index])
+        if current and longest_if_added * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current, longest_if_added = [], lengths[index]
+        current.append(index)
+        longest = longest_if_added
+    if current:
+        batches.append(current)
+    return batches
+
+
+def pad_sequences(rows: list[list[int]], pad_id: int) -> torch.Tensor:
+    """(B, longest) int64, each row left-aligned and padded with `pad_id`."""
+    out = torch.full((len(rows), max(len(row) for row in rows)), pad_id, dtype=torch.long)
+    for index, row in enumerate(rows):
+        out[index, :len(row)] = torch.tensor(row, dtype=torch.long)
+    return out
+
+
+class Translator:
+    """A loaded model plus the search settings: lines in, hypotheses out."""
+
+    def __init__(self, loaded: LoadedModel, options: DecodeOptions, device: torch.device,
+                 dtype: str = "fp32", warn=None):
+        self.loaded, self.options, self.device, self.dtype = loaded, options, device, dtype
+        self.model = loaded.model.to(device).eval()
+        config = loaded.config
+        # Longest source the model takes: its positions (learned) or any sane length, EOS
+        # included; the target side also needs max_len_a·|x| + b positions.
+        self.max_source = config.max_positions - 1 if config.positions == "learned" else 1023
+        self.warn = warn or (lambda message: print(message, file=sys.stderr, flush=True))
+        self.stats = DecodeStats()
+
+    def encode(self, lines: list[str], first_line: int) -> list[list[int]]:
+        ids = self.loaded.src_vocab.encode(lines)
+        eos = self.loaded.config.eos_id
+        for offset, sequence in enumerate(ids):
+            if len(sequence) > self.max_source:
+                self.warn(f"decode: line {first_line + offset}: {len(sequence)} tokens, "
+                          f"truncated to the model's limit of {self.max_source}")
+                self.stats.truncated += 1
+                del sequence[self.max_source:]
+            sequence.append(eos)
+        return ids
+
+    def search(self, ids: list[list[int]]) -> list[list[Hypothesis]]:
+        src = pad_sequences(ids, self.loaded.config.pad_id).to(self.device)
+        options = self.options
+        with autocast(self.device, self.dtype):
+            return beam_search(self.model, src, beam=options.beam, alpha=options.alpha,
+                               max_len_a=options.max_len_a, max_len_b=options.max_len_b,
+                               nbest=options.nbest)
+
+    def translate_window(self, lines: list[str], first_line: int) -> list[list[Hypothesis]]:
+        """Hypotheses for every line, in input order; an empty line gets one empty hypothesis."""
+        results: list[list[Hypothesis] | None] = [None] * len(lines)
+        todo = [i for i, line in enumerate(lines) if line.strip()]
+        for i in set(range(len(lines))) - set(todo):
+            results[i] = [Hypothesis([], 0.0, 0.0)]
+        if todo:
+            ids = self.encode([lines[i] for i in todo], first_line)
+            lengths = [len(sequence) for sequence in ids]
+            for batch in token_budget_batches(lengths, self.options.batch_tokens):
+                found = self.search([ids[i] for i in batch])
+                for index, hypotheses in zip(batch, found):
+                    results[todo[index]] = hypotheses
+        return results
+
+    def detokenize(self, hypotheses: list[Hypothesis]) -> list[str]:
+        vocab = self.loaded.tgt_vocab
+        if self.options.raw:
+            return [" ".join(vocab.processor.id_to_piece(t) for t in h.tokens)
+                    for h in hypotheses]
+        return vocab.decode([h.tokens for h in hypotheses])
+
+    def format(self, index: int, hypotheses: list[Hypothesis]) -> Iterable[str]:
+        texts = self.detokenize(hypotheses)
+        if self.options.nbest == 1:
+            return [texts[0]]
+        padded = list(zip(hypotheses, texts))
+        while len(padded) < self.options.nbest:  # always K lines per input
+            padded.append((Hypothesis([], -math.inf, -math.inf), ""))
+        return [f"{index}\t{h.score:.4f}\t{text}" for h, text in padded]
+
+
+def run(translator: Translator, stream, out, name: str = "<stdin>", render=None) -> DecodeStats:
+    """The pipe: windows of lines in, one line (or nbest lines) out per line in, in order.
+    `render(index, line, hypotheses)` makes the output lines (default: translations)."""
+    render = render or (lambda index, line, hypotheses: translator.format(index, hypotheses))
+    started = time.perf_counter()
+    stats = translator.stats
+    line_number = 0
+    for window in read_windows(stream, translator.options.buffer_size, name):
+        results = translator.translate_window(window, line_number + 1)
+        for offset, hypotheses in enumerate(results):
+            for text in render(line_number + offset, window[offset], hypotheses):
+                out.write(text + "\n")
+            if window[offset].strip():
+                stats.sentences += 1
+                stats.output_tokens += len(hypotheses[0].tokens) + 1
+        out.flush()
+        line_number += len(window)
+    stats.seconds = time.perf_counter() - started
+    return stats

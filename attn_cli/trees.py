@@ -1,0 +1,263 @@
+"""Constituency trees for `attn parse` (§6.3): reading the Penn Treebank, the clean-up every
+parsing paper applies, the linearization the sequence-to-sequence setup of Vinyals & Kaiser et
+al. (2015) uses, the repair that turns any model output into a well-formed tree, and EVALB.
+
+Pure Python, no torch. A tree is `Tree(label, children)`; a child is a Tree or a word (str).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from .files import AttnError
+
+PLACEHOLDER = "XX"  # every POS tag in linearized trees (EVALB does not score tags)
+ROOT = "TOP"  # the outer bracket; Penn Treebank files leave it unlabelled
+PUNCTUATION_TAGS = {",", ":", "``", "''", "."}  # COLLINS.prm's DELETE_LABEL for words
+EQUIVALENT_LABELS = {"PRT": "ADVP"}  # COLLINS.prm's EQ_LABEL ADVP PRT
+BRACKET_ESCAPES = {"(": "-LRB-", ")": "-RRB-"}
+
+
+@dataclass
+class Tree:
+    label: str
+    children: list = field(default_factory=list)  # Tree or str (a word)
+
+    @property
+    def is_preterminal(self) -> bool:
+        return len(self.children) == 1 and isinstance(self.children[0], str)
+
+    def words(self) -> list[str]:
+        out = []
+        for child in self.children:
+            out.extend([child] if isinstance(child, str) else child.words())
+        return out
+
+    def preterminals(self) -> list["Tree"]:
+        if self.is_preterminal:
+            return [self]
+        return [p for child in self.children if isinstance(child, Tree)
+                for p in child.preterminals()]
+
+    def __str__(self) -> str:
+        inner = " ".join(escape_word(c) if isinstance(c, str) else str(c) for c in self.children)
+        return f"({self.label} {inner})" if inner else f"({self.label})"
+
+
+def escape_word(word: str) -> str:
+    return BRACKET_ESCAPES.get(word, word)
+
+
+# ------------------------------------------------------------------------------------ reading
+
+_TOKEN = re.compile(r"\(|\)|[^\s()]+")
+
+
+def read_trees(text: str, source: str = "<text>") -> Iterator[Tree]:
+    """Every tree in a string of bracketed trees (one per line or spread over many lines, with or
+    without the treebank's unlabelled outer bracket, which becomes TOP)."""
+    tokens = _TOKEN.findall(text)
+    position = 0
+
+    def parse() -> Tree | str:
+        nonlocal position
+        token = tokens[position]
+        if token == ")":
+            raise AttnError(f"{source}: unbalanced ')' in a tree")
+        if token != "(":
+            position += 1
+            return token
+        position += 1
+        label = ""
+        if position < len(tokens) and tokens[position] not in ("(", ")"):
+            label = tokens[position]
+            position += 1
+        children = []
+        while True:
+            if position >= len(tokens):
+                raise AttnError(f"{source}: a tree is not closed (missing ')')")
+            if tokens[position] == ")":
+                position += 1
+                return Tree(label or ROOT, children)
+            children.append(parse())
+
+    while position < len(tokens):
+        tree = parse()
+        if isinstance(tree, str):
+            raise AttnError(f"{source}: text outside brackets: {tree!r}")
+        if tree.label != ROOT:
+            tree = Tree(ROOT, [tree])
+        yield tree
+
+
+def read_treebank(paths: Iterable[str]) -> Iterator[Tree]:
+    from .files import check_readable
+
+    for path in paths:
+        try:
+            text = check_readable(path, "treebank file").read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise AttnError(f"{path}: not UTF-8 text") from None
+        yield from read_trees(text, str(path))
+
+
+# ----------------------------------------------------------------------------------- clean-up
+
+
+def base_label(label: str) -> str:
+    """NP-SBJ-1 → NP, PP-LOC=2 → PP, ADVP|PRT → ADVP; -NONE-, -LRB- stay as they are."""
+    if label.startswith("-") or label == ROOT:
+        return label
+    return re.split(r"[-=|]", label, maxsplit=1)[0] or label
+
+
+def clean(tree: Tree) -> Tree | None:
+    """Drop -NONE- elements and the constituents left empty, strip function tags and indices;
+    words are kept as they are. None if nothing is left."""
+    if tree.is_preterminal:
+        return None if tree.label == "-NONE-" else Tree(base_label(tree.label),
+                                                       list(tree.children))
+    children = [c for c in (clean(child) for child in tree.children
+                            if isinstance(child, Tree)) if c is not None]
+    return Tree(base_label(tree.label), children) if children else None
+
+
+def normalize_tags(tree: Tree) -> Tree:
+    """The same tree with every POS tag replaced by the placeholder."""
+    if tree.is_preterminal:
+        return Tree(PLACEHOLDER, list(tree.children))
+    return Tree(tree.label, [normalize_tags(c) for c in tree.children])
+
+
+# ------------------------------------------------------------------------------ linearization
+
+
+def linearize(tree: Tree) -> str:
+    """Depth-first brackets with labelled closings and placeholder terminals (the root TOP is
+    left out): (S (NP XX XX )NP (VP XX )VP XX )S."""
+    def walk(node: Tree) -> Iterator[str]:
+        if node.is_preterminal:
+            yield PLACEHOLDER
+            return
+        yield f"({node.label}"
+        for child in node.children:
+            yield from walk(child)
+        yield f"){node.label}"
+
+    top = tree.children if tree.label == ROOT else [tree]
+    return " ".join(token for node in top for token in walk(node))
+
+
+def delinearize(sequence: str, words: list[str]) -> Tree:
+    """A well-formed tree with exactly `words` as leaves, whatever `sequence` holds: unknown
+    tokens and unmatched closings are dropped, open brackets are closed, missing placeholders are
+    added at the end and surplus ones dropped, empty constituents removed."""
+    root = Tree(ROOT, [])
+    stack = [root]
+    used = 0
+    for token in sequence.split():
+        if token == PLACEHOLDER:
+            if used < len(words):
+                stack[-1].children.append(Tree(PLACEHOLDER, [words[used]]))
+                used += 1
+        elif token.startswith("(") and len(token) > 1:
+            node = Tree(token[1:], [])
+            stack[-1].children.append(node)
+            stack.append(node)
+        elif token.startswith(")") and len(stack) > 1:
+            stack.pop()
+    for word in words[used:]:  # the model stopped early: attach what is missing to the root
+        root.children.append(Tree(PLACEHOLDER, [word]))
+    pruned = _prune_empty(root) or Tree(ROOT, [])
+    if not pruned.children:  # no words at all
+        return Tree(ROOT, [])
+    return pruned
+
+
+def _prune_empty(tree: Tree) -> Tree | None:
+    if tree.is_preterminal:
+        return tree
+    children = [c for c in (_prune_empty(child) for child in tree.children) if c is not None]
+    return Tree(tree.label, children) if children else None
+
+
+# ------------------------------------------------------------------------------------- EVALB
+
+
+@dataclass
+class BracketCounts:
+    matched: int = 0
+    gold: int = 0
+    test: int = 0
+    sentences: int = 0
+    exact: int = 0
+
+    def add(self, other: "BracketCounts") -> None:
+        self.matched += other.matched
+        self.gold += other.gold
+        self.test += other.test
+        self.sentences += other.sentences
+        self.exact += other.exact
+
+    @property
+    def precision(self) -> float:
+        return 100.0 * self.matched / self.test if self.test else 0.0
+
+    @property
+    def recall(self) -> float:
+        return 100.0 * self.matched / self.gold if self.gold else 0.0
+
+    @property
+    def f1(self) -> float:
+        p, r = self.precision, self.recall
+        return 2 * p * r / (p + r) if p + r else 0.0
+
+
+def _brackets(tree: Tree, kept: list[bool]) -> Counter:
+    """Labelled spans over the words that count (punctuation deleted), without the root and
+    preterminals, as a multiset of (label, start, end)."""
+    spans: Counter = Counter()
+    position = 0
+
+    def walk(node: Tree, is_root: bool) -> tuple[int, int]:
+        nonlocal position
+        if node.is_preterminal:
+            start = position
+            position += 1
+            return start, position
+        start = None
+        end = None
+        for child in node.children:
+            child_start, child_end = walk(child, False)
+            start = child_start if start is None else start
+            end = child_end
+        if not is_root and start is not None:
+            first = sum(kept[:start])
+            last = sum(kept[:end])
+            if last > first:
+                label = EQUIVALENT_LABELS.get(node.label, node.label)
+                spans[(label, first, last)] += 1
+        return start, end
+
+    walk(tree, True)
+    return spans
+
+
+def evalb_sentence(gold: Tree, test: Tree, line: int = 0) -> BracketCounts:
+    """COLLINS.prm conventions: labels only, punctuation (by its gold tag) ignored, ADVP = PRT,
+    the root and the preterminals not counted."""
+    gold_leaves = gold.preterminals()
+    test_words = test.words()
+    if [escape_word(w) for w in (p.children[0] for p in gold_leaves)] != \
+            [escape_word(w) for w in test_words]:
+        raise AttnError(f"tree {line}: the words differ from the gold tree's "
+                        f"({len(test_words)} against {len(gold_leaves)})")
+    kept = [p.label not in PUNCTUATION_TAGS for p in gold_leaves]
+    gold_spans, test_spans = _brackets(gold, kept), _brackets(test, kept)
+    matched = sum((gold_spans & test_spans).values())
+    counts = BracketCounts(matched, sum(gold_spans.values()), sum(test_spans.values()), 1, 0)
+    counts.exact = int(matched == counts.gold == counts.test)
+    return counts

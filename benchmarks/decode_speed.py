@@ -1,0 +1,102 @@
+"""Decoding speed of `attn decode` on a CPU (or GPU), with BLEU as a guard.
+
+For beam 4 (the paper's search) and beam 1 (greedy), on the Multi30k test set (1000 lines,
+bundled), it runs the real command in a subprocess and reports:
+- sentences/s and output tokens/s (EOS included) of the decoding itself, from the command's
+  own summary line (reading, batching, search, detokenizing, writing);
+- process start (interpreter + imports) and model load, apart;
+- BLEU (sacreBLEU, 13a) of the output, and the same for the one-sentence-at-a-time path
+  (`--buffer-size 1`: every sentence alone in its batch), which must give identical output.
+
+    python benchmarks/decode_speed.py -m model.st
+    python benchmarks/decode_speed.py -m model.st --beams 4 --extra "--dtype bf16"
+
+Report on stderr, one JSON object on stdout. Targets (2-core CPU, the `small` preset trained as in
+examples/multi30k): beam 4 >= 120 sentences/s and 1800 tokens/s; greedy >= 300 sentences/s and
+4500 tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DATA_DIR = REPO_ROOT / "examples" / "multi30k" / "data"
+TARGETS = {4: (120, 1800), 1: (300, 4500)}
+SUMMARY = re.compile(r"(\d+) sentences, (\d+) output tokens .* in ([\d.]+)s")
+LOADED = re.compile(r"model loaded in ([\d.]+)s")
+
+
+def log(message: str = "") -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def read_gz(name: str) -> str:
+    with gzip.open(DATA_DIR / name, "rt", encoding="utf-8") as handle:
+        return handle.read()
+
+
+def decode(model: str, source: str, beam: int, extra: list[str]) -> dict:
+    command = [sys.executable, "-m", "attn_cli", "decode", "-m", model, "--beam", str(beam),
+               *extra]
+    started = time.perf_counter()
+    result = subprocess.run(command, input=source.encode(), capture_output=True, check=True)
+    wall = time.perf_counter() - started
+    stderr = result.stderr.decode()
+    sentences, tokens, seconds = SUMMARY.search(stderr).groups()
+    load = float(LOADED.search(stderr).group(1))
+    seconds = float(seconds)
+    return {"output": result.stdout.decode(), "sentences": int(sentences),
+            "tokens": int(tokens), "decode_s": seconds, "load_s": load,
+            "start_s": wall - seconds - load, "wall_s": wall,
+            "sentences_per_s": int(sentences) / seconds, "tokens_per_s": int(tokens) / seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("-m", "--model", required=True)
+    parser.add_argument("--beams", default="4,1")
+    parser.add_argument("--extra", default="", help="More `attn decode` options, quoted.")
+    parser.add_argument("--no-single", action="store_true",
+                        help="Skip the one-sentence-at-a-time comparison.")
+    args = parser.parse_args()
+    import sacrebleu
+
+    source = read_gz("test_2016_flickr.en.gz")
+    references = read_gz("test_2016_flickr.de.gz").splitlines()
+    report = {"model": args.model, "extra": args.extra, "runs": {}}
+    for beam in (int(b) for b in args.beams.split(",")):
+        batched = decode(args.model, source, beam, args.extra.split())
+        bleu = sacrebleu.corpus_bleu(batched["output"].splitlines(), [references]).score
+        run = {key: value for key, value in batched.items() if key != "output"}
+        run["bleu"] = bleu
+        low_s, low_t = TARGETS.get(beam, (0, 0))
+        run["pass"] = run["sentences_per_s"] >= low_s and run["tokens_per_s"] >= low_t
+        log(f"beam {beam}: {run['sentences_per_s']:.1f} sentences/s, "
+            f"{run['tokens_per_s']:.0f} tokens/s (target {low_s}/{low_t}: "
+            f"{'PASS' if run['pass'] else 'FAIL'}); BLEU {bleu:.2f}; decode "
+            f"{run['decode_s']:.2f}s, model load {run['load_s']:.2f}s, process start "
+            f"{run['start_s']:.2f}s")
+        if not args.no_single:
+            single = decode(args.model, source, beam, args.extra.split() + ["--buffer-size", "1"])
+            single_bleu = sacrebleu.corpus_bleu(single["output"].splitlines(),
+                                                [references]).score
+            same = sum(a == b for a, b in zip(batched["output"].splitlines(),
+                                              single["output"].splitlines()))
+            run["single"] = {"bleu": single_bleu, "identical_lines": same,
+                             "sentences_per_s": single["sentences_per_s"]}
+            log(f"        one at a time: BLEU {single_bleu:.2f}, {same}/{run['sentences']} "
+                f"identical lines, {single['sentences_per_s']:.1f} sentences/s")
+        report["runs"][f"beam{beam}"] = run
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+complete --command attn --no-files --arguments "(env _ATTN_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) attn)" --condition "env _ATTN_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) attn"

@@ -1,0 +1,34 @@
+"""Shell completions: the committed scripts match the app, and completing really works."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "completions"))
+
+import generate  # noqa: E402
+
+
+def test_committed_scripts_are_current():
+    for shell, name in generate.SCRIPTS.items():
+        committed = (REPO / "completions" / name).read_text(encoding="utf-8")
+        assert committed == generate.script(shell), (
+            f"completions/{name} is stale: run `python completions/generate.py`")
+
+
+def complete(words: str, index: int) -> list[str]:
+    environment = {**os.environ, "_ATTN_COMPLETE": "complete_bash", "COMP_WORDS": words,
+                   "COMP_CWORD": str(index)}
+    result = subprocess.run([sys.executable, "-m", "attn_cli"], env=environment,
+                            capture_output=True, text=True, timeout=60)
+    return result.stdout.split()
+
+
+def test_completes_subcommands_options_and_presets():
+    assert complete("attn tr", 1) == ["train"]
+    assert "--beam" in complete("attn decode --be", 2)
+    assert {"big", "big-enfr"} <= set(complete("attn train --preset bi", 3))

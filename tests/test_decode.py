@@ -1,0 +1,304 @@
+"""`attn decode` and `attn score`: beam search against exhaustive search, pipes, metrics."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from attn_cli.config import PRESETS
+from attn_cli.model import DecoderCache, Transformer
+from attn_cli.search import (Hypothesis, beam_search, can_stop, length_penalty,
+                             max_output_length, topk_over_beams)
+
+from .conftest import assert_clean_error, run_attn
+
+# ------------------------------------------------------------------------------ pure pieces
+
+
+def test_length_penalty_is_gnmt():
+    assert length_penalty(1, 0.6) == pytest.approx(1.0)
+    assert length_penalty(7, 0.6) == pytest.approx((12 / 6) ** 0.6)
+    assert length_penalty(10, 0.0) == 1.0
+
+
+def test_max_output_length_is_input_plus_50():
+    assert max_output_length(12, 1.0, 50) == 62
+    assert max_output_length(12, 0.0, 3) == 3
+
+
+def test_topk_over_beams_picks_across_beams():
+    scores = torch.tensor([[0.0, -1.0]])
+    log_probs = torch.log(torch.tensor([[[0.5, 0.3, 0.2], [0.9, 0.05, 0.05]]]))
+    best, origin, token = topk_over_beams(scores, log_probs, 3)
+    assert origin.tolist() == [[0, 1, 0]] and token.tolist() == [[0, 0, 1]]
+    assert best[0, 1].item() == pytest.approx(-1.0 + math.log(0.9))
+
+
+def test_can_stop_only_when_no_live_hypothesis_can_win():
+    finished = [Hypothesis([1], -2.0, -2.0), Hypothesis([2], -3.0, -3.0)]
+    # Best live log-prob -1.0: over the longest penalty (lp(10) = 2.5^0.6) it could still reach
+    # -0.58 > -3.0, so not yet.
+    assert not can_stop(finished, -1.0, beam=2, longest=10, alpha=0.6)
+    assert can_stop(finished, -10.0, beam=2, longest=10, alpha=0.6)
+    assert not can_stop(finished[:1], -10.0, beam=2, longest=10, alpha=0.6)  # not enough yet
+
+
+# ---------------------------------------------------------------- a model with set probabilities
+
+
+@dataclass(frozen=True)
+class ToyConfig:
+    pad_id: int = 0
+    unk_id: int = 1
+    bos_id: int = 2
+    eos_id: int = 3
+
+
+class ToyModel:
+    """Next-token probabilities set by hand, as a function of the prefix (fairseq's test idea).
+    Greedy picks 4 (0.6) then must end badly; beam search finds 5 5 EOS."""
+
+    config = ToyConfig()
+    table = {(): {4: 0.6, 5: 0.4},
+             (4,): {3: 0.3, 4: 0.35, 5: 0.35},
+             (5,): {5: 0.9, 3: 0.1},
+             (5, 5): {3: 1.0}}
+
+    def encode(self, src):
+        return src.float().unsqueeze(-1), src != 0
+
+    def start_decoding(self, memory, src_mask):
+        batch = memory.shape[0]
+        return DecoderCache(src_mask=src_mask, memory_kv=(),
+                            self_kv=((torch.zeros(batch, 1, 0, 1), torch.zeros(batch, 1, 0, 1)),))
+
+    def decode_step(self, tokens, cache):
+        history = torch.cat([cache.self_kv[0][0], tokens.float().view(-1, 1, 1, 1)], dim=2)
+        logits = torch.full((tokens.shape[0], 6), -1e9)
+        for row in range(tokens.shape[0]):
+            prefix = tuple(int(t) for t in history[row, 0, 1:, 0].tolist())
+            for token, p in self.table.get(prefix, {3: 1.0}).items():
+                logits[row, token] = math.log(p)
+        return logits, DecoderCache(cache.src_mask, (), ((history, history),), cache.step + 1)
+
+
+def test_beam_finds_what_greedy_misses():
+    src = torch.tensor([[7, 3]])
+    greedy = beam_search(ToyModel(), src, beam=1, alpha=0.0)[0][0]
+    beam = beam_search(ToyModel(), src, beam=2, alpha=0.0)[0][0]
+    assert greedy.tokens[0] == 4
+    assert beam.tokens == [5, 5]
+    assert beam.log_prob == pytest.approx(math.log(0.4 * 0.9 * 1.0))
+
+
+# ------------------------------------------------------------------- against exhaustive search
+
+
+def random_model(vocab: int = 7, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    config = PRESETS["tiny"].model_config(vocab, dropout=0.0)
+    model = Transformer(config).eval()
+    with torch.no_grad():  # sharpen the distributions a little so hypotheses differ clearly
+        model.tgt_embed.weight.mul_(4)
+    return model
+
+
+def exhaustive_best(model, src, max_length: int, alpha: float) -> tuple[list[int], float]:
+    config = model.config
+    allowed = [t for t in range(config.tgt_vocab_size)
+               if t not in (config.pad_id, config.bos_id, config.eos_id)]
+    best_tokens, best_score = None, -math.inf
+    for length in range(0, max_length):
+        for body in itertools.product(allowed, repeat=length):
+            tgt_in = torch.tensor([[config.bos_id, *body]])
+            target = torch.tensor([*body, config.eos_id])
+            with torch.no_grad():
+                log_probs = torch.log_softmax(model(src, tgt_in)[0], dim=-1)
+            log_prob = log_probs[torch.arange(length + 1), target].sum().item()
+            score = log_prob / length_penalty(length + 1, alpha)
+            if score > best_score:
+                best_tokens, best_score = list(body), score
+    return best_tokens, best_score
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_beam_search_matches_exhaustive_search(seed):
+    """With a beam as wide as the prefixes, beam search (early stopping included) must find the
+    exhaustive optimum of log p / lp over a 7-token vocabulary and outputs of ≤ 3 tokens."""
+    model = random_model(seed=seed)
+    src = torch.tensor([[4, 5, 6, 3]])
+    tokens, score = exhaustive_best(model, src, 3, alpha=0.6)
+    found = beam_search(model, src, beam=16, alpha=0.6, max_len_a=0.0, max_len_b=3)[0][0]
+    assert found.tokens == tokens
+    assert found.score == pytest.approx(score, abs=1e-5)
+
+
+def test_batched_decoding_equals_one_by_one():
+    model = random_model(vocab=30, seed=3)
+    sentences = [[5, 9, 3], [7, 8, 9, 10, 11, 12, 3], [20, 3], [4, 4, 4, 4, 3]]
+    width = max(map(len, sentences))
+    batch = torch.tensor([s + [0] * (width - len(s)) for s in sentences])
+    for beam in (1, 4):
+        together = beam_search(model, batch, beam=beam, max_len_b=12, nbest=beam)
+        for row, sentence in enumerate(sentences):
+            alone = beam_search(model, torch.tensor([sentence]), beam=beam, max_len_b=12,
+                                nbest=beam)[0]
+            assert [h.tokens for h in together[row]] == [h.tokens for h in alone]
+            for a, b in zip(together[row], alone):
+                assert a.score == pytest.approx(b.score, abs=1e-4)
+
+
+def test_nbest_is_sorted_and_distinct():
+    model = random_model(vocab=30, seed=4)
+    hypotheses = beam_search(model, torch.tensor([[5, 6, 7, 3]]), beam=5, nbest=5,
+                             max_len_b=8)[0]
+    assert len(hypotheses) == 5
+    scores = [h.score for h in hypotheses]
+    assert scores == sorted(scores, reverse=True)
+    assert len({tuple(h.tokens) for h in hypotheses}) == 5
+
+
+# ----------------------------------------------------------------------- the command line
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, spm_model, tmp_path_factory):
+    """A tiny model trained for a few steps (its translations are poor; the plumbing is real),
+    with the validation perplexity training measured."""
+    directory = tmp_path_factory.mktemp("decode")
+    for name, (src, tgt) in {"train.st": ("train.en", "train.de"),
+                             "valid.st": ("val.en", "val.de")}.items():
+        assert run_attn("binarize", "--vocab", spm_model, corpus[src], corpus[tgt], "-o",
+                        directory / name).returncode == 0
+    result = run_attn("train", directory / "train.st", "-o", directory / "run", "--preset",
+                      "tiny", "--max-steps", "40", "--valid", directory / "valid.st",
+                      "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in (directory / "run" / "metrics.jsonl").read_text()
+            .splitlines()]
+    return directory / "run" / "checkpoint-40.st", rows[-1]["valid_ppl"]
+
+
+def test_decode_keeps_one_line_per_line_in_order(trained, corpus):
+    model, _ = trained
+    lines = corpus["val.en"].read_text(encoding="utf-8").splitlines()[:6]
+    lines.insert(2, "")
+    lines.insert(5, "   ")
+    lines.append("word " * 3000)  # longer than the model takes: truncated, not dropped
+    stdin = "\n".join(lines) + "\n"
+    result = run_attn("decode", "-m", model, "--beam", "2", "--max-len-b", "5", stdin=stdin)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.split("\n")
+    assert out[-1] == "" and len(out) - 1 == len(lines)
+    assert out[2] == "" and out[5] == ""
+    assert "truncated" in result.stderr
+    assert "sentences/s" in result.stderr.splitlines()[-1]
+    # Each line translates as it would alone: order kept, batching invisible.
+    alone = run_attn("decode", "-m", model, "--beam", "2", "--max-len-b", "5",
+                     stdin=lines[3] + "\n")
+    assert alone.stdout == out[3] + "\n"
+
+
+def test_decode_nbest_format(trained):
+    model, _ = trained
+    result = run_attn("decode", "-m", model, "--nbest", "3", "--beam", "4", "--max-len-b", "4",
+                      stdin="a man\n\na dog\n")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split("\t") for line in result.stdout.splitlines()]
+    assert len(rows) == 9 and all(len(row) == 3 for row in rows)
+    assert [row[0] for row in rows] == ["0"] * 3 + ["1"] * 3 + ["2"] * 3
+    scores = [float(row[1]) for row in rows[:3]]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_decode_streams_before_stdin_ends(trained):
+    model, _ = trained
+    process = subprocess.Popen([sys.executable, "-m", "attn_cli", "decode", "-m", str(model),
+                                "--max-len-b", "4"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    process.stdin.write(b"a man is walking\n")
+    process.stdin.flush()
+    first = process.stdout.readline()  # arrives while stdin is still open
+    process.stdin.write(b"two dogs\n")
+    process.stdin.close()
+    rest = process.stdout.read()
+    assert process.wait(timeout=60) == 0
+    assert first.endswith(b"\n") and rest.count(b"\n") == 1
+
+
+def test_decode_closed_stdout_ends_quietly(trained):
+    model, _ = trained
+    command = (f"yes 'a man on a bike' | head -n 400 | {sys.executable} -m attn_cli decode "
+               f"-m {model} --max-len-b 3 --buffer-size 10 | head -n 1")
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.count("\n") == 1
+    assert "Traceback" not in result.stderr and "Broken pipe" not in result.stderr
+
+
+def test_decode_bad_inputs(trained, tmp_path):
+    model, _ = trained
+    assert_clean_error(run_attn("decode", "-m", tmp_path / "none.st", stdin="x\n"),
+                       "does not exist")
+    broken = tmp_path / "broken.st"
+    broken.write_bytes(model.read_bytes()[:1000])
+    assert_clean_error(run_attn("decode", "-m", broken, stdin="x\n"), str(broken))
+    result = run_attn("decode", "-m", model, "--max-len-b", "2", stdin=b"fine\nbad \xff\n")
+    assert result.returncode == 2 and "<stdin>:2: invalid UTF-8" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_score_matches_sacrebleu(corpus, tmp_path):
+    import sacrebleu
+
+    references = corpus["val.de"].read_text(encoding="utf-8").splitlines()
+    hypotheses = [" ".join(line.split()[:-1]) for line in references]  # drop each last word
+    hyp = tmp_path / "hyp.de"
+    hyp.write_text("\n".join(hypotheses) + "\n", encoding="utf-8")
+    result = run_attn("score", "--ref", corpus["val.de"], hyp, "--metrics", "bleu,chrf,ter")
+    assert result.returncode == 0, result.stderr
+    bleu, chrf, ter = result.stdout.splitlines()
+    expected = sacrebleu.corpus_bleu(hypotheses, [references])
+    assert bleu.startswith("BLEU|nrefs:1|case:mixed|eff:no|tok:13a")
+    assert f"= {expected.score:.2f} " in bleu
+    assert f"= {sacrebleu.corpus_chrf(hypotheses, [references]).score:.2f}" in chrf
+    assert f"= {sacrebleu.corpus_ter(hypotheses, [references]).score:.2f}" in ter
+    intl = run_attn("score", "--ref", corpus["val.de"], "--tokenize", "intl", "--metrics",
+                    "bleu", stdin=hyp.read_text(encoding="utf-8"))
+    expected_intl = sacrebleu.corpus_bleu(hypotheses, [references], tokenize="intl")
+    assert "tok:intl" in intl.stdout and f"= {expected_intl.score:.2f} " in intl.stdout
+    sentences = run_attn("score", "--ref", corpus["val.de"], hyp, "--sentence-level")
+    assert len(sentences.stdout.splitlines()) == len(references)
+
+
+def test_score_line_count_mismatch(corpus):
+    assert_clean_error(run_attn("score", "--ref", corpus["val.de"], corpus["train.de"]),
+                       "val.de", "train.de", "50", "300")
+
+
+def test_force_decoding_perplexity_equals_training_validation(trained, corpus):
+    model, valid_ppl = trained
+    result = run_attn("score", "-m", model, corpus["val.en"], corpus["val.de"])
+    assert result.returncode == 0, result.stderr
+    rows = result.stdout.splitlines()
+    assert len(rows) == 50 and all(len(row.split("\t")) == 2 for row in rows)
+    reported = float(result.stderr.split("perplexity ")[1].split()[0])
+    assert reported == pytest.approx(valid_ppl, rel=0.005)
+    log_probs = [float(row.split("\t")[0]) for row in rows]
+    tokens = [int(row.split("\t")[1]) for row in rows]
+    assert math.exp(-sum(log_probs) / sum(tokens)) == pytest.approx(reported, rel=1e-3)
+
+
+def test_score_does_not_import_torch(corpus):
+    code = ("import sys; from attn_cli.cli import main\n"
+            f"try:\n    main(['score', '--ref', r'{corpus['val.de']}', r'{corpus['val.de']}'])\n"
+            "except SystemExit:\n    pass\nprint('torch' in sys.modules, file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stderr.strip().splitlines()[-1] == "False"

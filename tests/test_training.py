@@ -1,0 +1,378 @@
+"""`attn train` and `attn average`: the paper's recipe (§5), data parallel, crash-safe."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from attn_cli import training
+from attn_cli.checkpoints import list_checkpoints
+from attn_cli.config import PRESETS
+from attn_cli.data import ParallelData, token_batches
+from attn_cli.files import AttnError
+from attn_cli.model import Transformer
+from attn_cli.modelfile import load_model
+
+from .conftest import assert_clean_error, run_attn
+
+
+# ------------------------------------------------------------------------- recipe, by formula
+
+
+@pytest.mark.parametrize("step,expected", [
+    (1, 512 ** -0.5 * 1 * 4000 ** -1.5),  # warming up: linear
+    (4000, 512 ** -0.5 * 4000 ** -0.5),  # the peak
+    (100_000, 512 ** -0.5 * 100_000 ** -0.5),  # decaying as step^-0.5
+])
+def test_schedule_matches_the_paper(step, expected):
+    assert training.inverse_sqrt_lr(step, 512, 4000) == pytest.approx(expected, rel=1e-12)
+    assert training.inverse_sqrt_lr(step, 512, 4000, scale=2.0) == pytest.approx(2 * expected)
+
+
+def test_schedule_numbers():
+    assert training.inverse_sqrt_lr(4000, 512, 4000) == pytest.approx(6.9877e-4, rel=1e-4)
+    assert training.inverse_sqrt_lr(1, 512, 4000) == pytest.approx(1.7469e-7, rel=1e-4)
+
+
+def test_label_smoothing_by_hand():
+    """Loss = -Σ_k q(k) log p(k) with q = (1-ε)·onehot + ε/V; padding targets ignored."""
+    logits = torch.tensor([[2.0, 0.5, -1.0, 0.0], [0.1, 0.2, 0.3, 0.4], [5.0, 5.0, 5.0, 5.0]])
+    target = torch.tensor([1, 3, 0])  # the last one is padding (pad id 0)
+    epsilon = 0.1
+    expected_loss = expected_nll = 0.0
+    for row, gold in ((0, 1), (1, 3)):
+        exp = [math.exp(v) for v in logits[row].tolist()]
+        log_p = [math.log(e / sum(exp)) for e in exp]
+        q = [epsilon / 4 + (1 - epsilon) * (k == gold) for k in range(4)]
+        expected_loss -= sum(qk * lp for qk, lp in zip(q, log_p))
+        expected_nll -= log_p[gold]
+    loss, nll = training.label_smoothed_loss(logits, target, epsilon, pad_id=0)
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-6)
+    assert nll.item() == pytest.approx(expected_nll, rel=1e-6)
+
+
+@pytest.mark.parametrize("text,expected", [("10m", (600.0, "time")), ("90s", (90.0, "time")),
+                                           ("2h", (7200.0, "time")), ("5000", (5000.0, "steps")),
+                                           ("300u", (300.0, "steps"))])
+def test_intervals(text, expected):
+    assert training.parse_interval(text) == expected
+
+
+def test_bad_interval():
+    with pytest.raises(AttnError, match="interval"):
+        training.parse_interval("soon")
+
+
+def test_batch_plan_keeps_the_global_batch_whatever_the_world_size():
+    assert training.batch_plan(25000, None, 1).accumulation == 1
+    eight = training.batch_plan(25000, 3125, 8)
+    assert (eight.max_tokens, eight.accumulation) == (3125, 1)
+    one = training.batch_plan(25000, 3125, 1)
+    assert one.accumulation == 8 and one.micro_batches_per_step == eight.micro_batches_per_step
+
+
+# ------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def data_files(corpus, spm_model, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("train-data")
+    for name, (src, tgt) in {"train.st": ("train.en", "train.de"),
+                             "valid.st": ("val.en", "val.de")}.items():
+        result = run_attn("binarize", "--vocab", spm_model, corpus[src], corpus[tgt], "-o",
+                          directory / name)
+        assert result.returncode == 0, result.stderr
+    return directory / "train.st", directory / "valid.st"
+
+
+def train_args(train_st, run_dir, *extra):
+    return ["train", train_st, "-o", run_dir, "--preset", "tiny", "--log-every", "1",
+            "--device", "cpu", *map(str, extra)]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    step, path = list_checkpoints(run_dir)[-1]
+    weights = load_file(str(path))
+    return {name: tensor for name, tensor in weights.items() if not name.startswith("vocab.")}
+
+
+def assert_same_weights(a: dict, b: dict, atol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0 if atol == 0 else 1e-5,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------- gradient accumulation
+
+
+def test_accumulated_micro_batches_equal_one_batch(data_files):
+    """Two micro-batches accumulated with the step's token normalisation give the gradient of
+    the two taken as one batch (padding does not leak, the normalisation is global)."""
+    data = ParallelData(data_files[0])
+    config = PRESETS["tiny"].model_config(len(data.src_vocab), dropout=0.0)
+    model = Transformer(config)
+    indices = np.arange(40)
+    halves = [indices[:20], indices[20:]]
+    tokens = int(data.tgt_lengths[indices].sum()) + len(indices)
+    processes = training.Processes(0, 1, 0, torch.device("cpu"))
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+
+    def gradients(micro_batches):
+        model.zero_grad()
+        training.forward_backward(model, data, micro_batches, 1 / tokens, 0.1, processes,
+                                  "fp32", scaler, seed=(1, 0))
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    together, accumulated = gradients([indices]), gradients(halves)
+    for name in together:
+        torch.testing.assert_close(accumulated[name], together[name], atol=1e-6, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------- whole training runs
+
+
+def test_train_writes_checkpoints_metrics_and_decodable_models(data_files, tmp_path):
+    train_st, valid_st = data_files
+    run_dir = tmp_path / "run"
+    result = run_attn(*train_args(train_st, run_dir, "--max-steps", 6, "--save-every", 3,
+                                  "--valid", valid_st, "--keep", 1))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    assert [step for step, _ in list_checkpoints(run_dir)] == [6]  # --keep 1
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "checkpoint-6.st", "checkpoint-6.state.st", "metrics.jsonl"]
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+    for row in rows:
+        assert {"step", "loss", "lr", "tokens_per_s"} <= row.keys()
+    assert {"valid_loss", "valid_ppl"} <= rows[2].keys() and "valid_ppl" in rows[5]
+    assert rows[5]["valid_ppl"] == pytest.approx(math.exp(rows[5]["valid_nll"]))
+    loaded = load_model(run_dir / "checkpoint-6.st")
+    assert loaded.metadata["step"] == "6" and loaded.metadata["preset"] == "tiny"
+
+
+def test_refuses_to_overwrite_a_run_without_resume(data_files, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_attn(*train_args(data_files[0], run_dir, "--max-steps", 1)).returncode == 0
+    assert_clean_error(run_attn(*train_args(data_files[0], run_dir, "--max-steps", 2)),
+                       "--resume")
+
+
+def test_two_gloo_processes_equal_one_process(data_files, tmp_path):
+    """torchrun with 2 CPU processes trains the same parameters as 1 process accumulating the
+    same global batch (dropout on: its masks follow the micro-batch, not the process)."""
+    common = ["--max-steps", 4, "--batch-tokens", 1200, "--max-tokens", 600]
+    single = run_attn(*train_args(data_files[0], tmp_path / "one", *common))
+    assert single.returncode == 0, single.stderr
+    assert "2 accumulation step(s)" in single.stderr
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "-m", "attn_cli",
+               *map(str, train_args(data_files[0], tmp_path / "two", *common))]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    double = subprocess.run(command, capture_output=True, text=True, env=environment,
+                            timeout=300)
+    assert double.returncode == 0, double.stderr
+    assert "rank 0/2" in double.stderr and "rank 1/2" in double.stderr
+    assert_same_weights(final_weights(tmp_path / "one"), final_weights(tmp_path / "two"),
+                        atol=1e-5)
+
+
+def test_kill_and_resume_reaches_the_same_parameters(data_files, tmp_path):
+    common = ["--max-steps", 24, "--save-every", 4, "--seed", 5]
+    reference = run_attn(*train_args(data_files[0], tmp_path / "whole", *common))
+    assert reference.returncode == 0, reference.stderr
+
+    run_dir = tmp_path / "killed"
+    process = subprocess.Popen([sys.executable, "-m", "attn_cli",
+                                *map(str, train_args(data_files[0], run_dir, *common))],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoint-8.st").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)  # kill -9: no chance to save
+    process.wait()
+    steps = [step for step, _ in list_checkpoints(run_dir)]
+    assert 8 in steps and steps[-1] < 24, steps
+    resumed = run_attn(*train_args(data_files[0], run_dir, *common, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming {run_dir} from step {steps[-1]}" in resumed.stderr
+    assert_same_weights(final_weights(tmp_path / "whole"), final_weights(run_dir))
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "loss" in row] == list(range(1, 25))
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_zero(data_files, tmp_path):
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "attn_cli",
+                                *map(str, train_args(data_files[0], run_dir,
+                                                     "--max-steps", 100000))],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    assert "stopped by a signal" in stderr
+    steps = [step for step, _ in list_checkpoints(run_dir, need_state=True)]
+    assert len(steps) == 1 and steps[0] >= 3
+
+
+def test_resume_reports_changes_and_refuses_another_architecture(data_files, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_attn(*train_args(data_files[0], run_dir, "--max-steps", 2)).returncode == 0
+    changed = run_attn(*train_args(data_files[0], run_dir, "--max-steps", 3, "--resume",
+                                   "--lr-scale", "0.25"))
+    assert changed.returncode == 0, changed.stderr
+    assert "resume: lr_scale 0.5 -> 0.25 (changes the recipe)" in changed.stderr
+    other = run_attn("train", data_files[0], "-o", run_dir, "--preset", "small", "--resume",
+                     "--max-steps", "4")
+    assert_clean_error(other, "another architecture", "d_model 64 -> 256")
+
+
+def data_with_another_vocab(corpus, directory: Path) -> Path:
+    """The validation pairs binarized with a vocabulary learned on German only."""
+    other_vocab = directory / "other.model"
+    assert run_attn("vocab", corpus["train.de"], "-o", other_vocab, "--size", "300"
+                    ).returncode == 0
+    other_data = directory / "other.st"
+    assert run_attn("binarize", "--vocab", other_vocab, corpus["val.en"], corpus["val.de"],
+                    "-o", other_data).returncode == 0
+    return other_data
+
+
+def test_resume_refuses_another_vocabulary(data_files, corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_attn(*train_args(data_files[0], run_dir, "--max-steps", 1)).returncode == 0
+    other_data = data_with_another_vocab(corpus, tmp_path)
+    assert_clean_error(run_attn(*train_args(other_data, run_dir, "--max-steps", 2,
+                                            "--resume")), "another vocabulary")
+
+
+def test_valid_data_with_another_vocabulary_is_refused(data_files, corpus, tmp_path):
+    other_valid = data_with_another_vocab(corpus, tmp_path)
+    assert_clean_error(run_attn(*train_args(data_files[0], tmp_path / "r", "--valid",
+                                            other_valid)), "another vocabulary")
+
+
+def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_checkpoint(
+        data_files, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    real_loss = training.label_smoothed_loss
+    calls = {"count": 0}
+
+    def poisoned(*args, **kwargs):
+        calls["count"] += 1
+        loss, nll = real_loss(*args, **kwargs)
+        return (loss * float("nan"), nll) if calls["count"] > 4 else (loss, nll)
+
+    monkeypatch.setattr(training, "label_smoothed_loss", poisoned)
+    options = training.TrainOptions(data=data_files[0], output=run_dir, preset="tiny",
+                                    max_steps=10, save_every="2", device="cpu", log_every=1)
+    with pytest.raises(training.TrainingDiverged, match="nan at step 5.*checkpoint-4.st"):
+        training.train(options)
+    assert [step for step, _ in list_checkpoints(run_dir)] == [2, 4]
+
+
+def test_dry_run_prints_the_batch_plan():
+    result = run_attn("train", "--preset", "base", "--vocab-size", "37000", "--dry-run",
+                      "--nproc", "2", "--max-tokens", "4096")
+    assert result.returncode == 0, result.stderr
+    assert ("25000 tokens/side/step over 2 process(es): 4096 tokens per forward pass, "
+            "4 accumulation step(s) per process") in result.stdout
+
+
+# -------------------------------------------------------------------------------- averaging
+
+
+def test_average_equals_the_manual_mean(data_files, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_attn(*train_args(data_files[0], run_dir, "--max-steps", 12, "--save-every", 3))
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "avg.st"
+    averaged = run_attn("average", run_dir, "--last", 3, "-o", out)
+    assert averaged.returncode == 0, averaged.stderr
+    for step in (6, 9, 12):
+        assert f"checkpoint-{step}.st (step {step})" in averaged.stderr
+    assert "checkpoint-3.st" not in averaged.stderr
+    parts = [load_file(str(run_dir / f"checkpoint-{step}.st")) for step in (6, 9, 12)]
+    mean = load_file(str(out))
+    for name in parts[0]:
+        if name.startswith("vocab."):
+            assert torch.equal(mean[name], parts[0][name])
+        else:
+            torch.testing.assert_close(mean[name], sum(p[name] for p in parts) / 3)
+    loaded = load_model(out)  # a model file like any other, without optimizer state
+    assert "step" not in loaded.metadata and not any("exp_avg" in n for n in mean)
+
+
+def test_average_orders_checkpoints_by_step_not_name(tmp_path, data_files):
+    run_dir = tmp_path / "run"
+    assert run_attn(*train_args(data_files[0], run_dir, "--max-steps", 10, "--save-every", 5,
+                                "--keep", 5)).returncode == 0
+    result = run_attn("average", run_dir, "--last", 1, "-o", tmp_path / "a.st")
+    assert "checkpoint-10.st (step 10)" in result.stderr  # not checkpoint-5 (name order)
+
+
+def test_average_refuses_mismatched_models(data_files, tmp_path):
+    for name, preset in (("a", "tiny"), ("b", "small")):
+        assert run_attn("train", data_files[0], "-o", tmp_path / name, "--preset", preset,
+                        "--max-steps", "1", "--device", "cpu").returncode == 0
+    result = run_attn("average", tmp_path / "a" / "checkpoint-1.st",
+                      tmp_path / "b" / "checkpoint-1.st", "-o", tmp_path / "x.st")
+    assert_clean_error(result, "another architecture")
+    assert not (tmp_path / "x.st").exists()
+
+
+def test_average_of_an_empty_directory(tmp_path):
+    assert_clean_error(run_attn("average", tmp_path, "--last", 5, "-o", tmp_path / "x.st"),
+                       "no checkpoint")
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_learns_to_reverse_sequences(tmp_path):
+    """A tiny model learns a toy task (reverse a sequence of letters) to near-zero loss."""
+    rng = np.random.default_rng(0)
+    letters = list("abcdefghij")
+    src_lines, tgt_lines = [], []
+    for _ in range(2000):
+        word = [letters[i] for i in rng.integers(0, len(letters), rng.integers(3, 8))]
+        src_lines.append(" ".join(word))
+        tgt_lines.append(" ".join(reversed(word)))
+    (tmp_path / "src.txt").write_text("\n".join(src_lines) + "\n")
+    (tmp_path / "tgt.txt").write_text("\n".join(tgt_lines) + "\n")
+    assert run_attn("vocab", tmp_path / "src.txt", "-o", tmp_path / "v.model", "--size", "24",
+                    "--type", "unigram").returncode == 0
+    assert run_attn("binarize", "--vocab", tmp_path / "v.model", tmp_path / "src.txt",
+                    tmp_path / "tgt.txt", "-o", tmp_path / "d.st").returncode == 0
+    result = run_attn("train", tmp_path / "d.st", "-o", tmp_path / "run", "--preset", "tiny",
+                      "--label-smoothing", "0", "--dropout", "0", "--max-steps", "600",
+                      "--batch-tokens", "1000", "--warmup", "100", "--lr-scale", "0.5",
+                      "--log-every", "100", "--save-every", "600",
+                      "--valid", tmp_path / "d.st", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    import json
+
+    rows = [json.loads(line) for line in
+            (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["valid_nll"] < 0.05, rows[-1]
