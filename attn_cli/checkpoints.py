@@ -37,7 +37,8 @@ def state_path(run_dir: Path, step: int) -> Path:
     return run_dir / f"checkpoint-{step}.state.st"
 
 
-def list_checkpoints(run_dir: str | os.PathLike, need_state: bool = False) -> list[tuple[int, Path]]:
+def list_checkpoints(run_dir: str | os.PathLike,
+                     need_state: bool = False) -> list[tuple[int, Path]]:
     """(step, path) of the run's complete checkpoints, oldest first."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():

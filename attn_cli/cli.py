@@ -251,19 +251,19 @@ def decode(
     nbest: int = typer.Option(1, "--nbest", min=1, help="Print the K best as "
                               "`index<TAB>score<TAB>hypothesis` lines (index from 0)."),
     batch_tokens: int = typer.Option(8000, "--batch-tokens", min=1,
-                                     help="Source tokens per search batch."),
+                                     help="Source tokens × beam per search batch."),
     buffer_size: int = typer.Option(2000, "--buffer-size", min=1, help="Lines read ahead and "
                                     "sorted by length (1: interactive, line by line)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), "
-                              "fp32, bf16 or fp16."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA and on CPUs with "
+                              "native bf16, else fp32), fp32, bf16 or fp16."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads (0: all cores)."),
     raw: bool = typer.Option(False, "--raw", help="Print subword pieces, not detokenized "
                              "text."),
     input_path: str = typer.Option("-", "-i", "--input", help="Read this file, not stdin."),
 ) -> None:
     """Translate stdin to stdout with beam search (paper §6.1): one line out per line in."""
-    from .devices import pick_device, resolve_dtype
+    from .devices import inference_dtype, pick_device
     from .files import open_binary
     from .modelfile import load_model
     from .translate import DecodeOptions, Translator, run
@@ -276,8 +276,8 @@ def decode(
     options = DecodeOptions(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
                             nbest=nbest, batch_tokens=batch_tokens, buffer_size=buffer_size,
                             raw=raw)
-    translator = Translator(loaded, options, chosen_device, resolve_dtype(dtype, chosen_device),
-                            warn=log)
+    precision = inference_dtype(dtype, chosen_device, beam)
+    translator = Translator(loaded, options, chosen_device, precision, warn=log)
     out = _text_stdout()
     with open_binary(input_path) as stream:
         stats = run(translator, stream, out, "<stdin>" if input_path == "-" else input_path)
@@ -371,12 +371,12 @@ def parse(
     max_len_a: float = typer.Option(1.0, "--max-len-a", min=0.0,
                                     help="Output length limit a·|x| + b: a."),
     max_len_b: int = typer.Option(300, "--max-len-b", min=0, help="... and b (paper: 300)."),
-    batch_tokens: int = typer.Option(4000, "--batch-tokens", min=1,
-                                     help="Source tokens per search batch."),
+    batch_tokens: int = typer.Option(8000, "--batch-tokens", min=1,
+                                     help="Source tokens × beam per search batch."),
     buffer_size: int = typer.Option(2000, "--buffer-size", min=1,
                                     help="Lines read ahead (1: interactive)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, fp32, bf16 or fp16."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (as decode), fp32, bf16, fp16."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads (0: all cores)."),
     input_path: str = typer.Option("-", "-i", "--input", help="Read this file, not stdin."),
 ) -> None:
@@ -387,7 +387,7 @@ def parse(
         return
     if model_path is None:
         raise AttnError("parse needs -m PARSER.st (or the subcommand `linearize`)")
-    from .devices import pick_device, resolve_dtype
+    from .devices import inference_dtype, pick_device
     from .files import open_binary
     from .modelfile import load_model
     from .parsing import tree_line
@@ -398,8 +398,8 @@ def parse(
     loaded = load_model(model_path, device=chosen_device)
     options = DecodeOptions(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
                             batch_tokens=batch_tokens, buffer_size=buffer_size)
-    translator = Translator(loaded, options, chosen_device, resolve_dtype(dtype, chosen_device),
-                            warn=log)
+    precision = inference_dtype(dtype, chosen_device, beam)
+    translator = Translator(loaded, options, chosen_device, precision, warn=log)
     out = _text_stdout()
     with open_binary(input_path) as stream:
         stats = run(translator, stream, out, "<stdin>" if input_path == "-" else input_path,

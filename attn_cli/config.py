@@ -150,7 +150,8 @@ PRESETS["big"] = dataclasses.replace(
     d_model=1024, d_ff=4096, heads=16, dropout=0.3, max_steps=300_000, average_last=20,
     paper_params_millions=213)
 PRESETS["big-enfr"] = dataclasses.replace(
-    PRESETS["big"], name="big-enfr", description="Transformer big for WMT14 en-fr (P_drop 0.1, §5.4)",
+    PRESETS["big"], name="big-enfr",
+    description="Transformer big for WMT14 en-fr (P_drop 0.1, §5.4)",
     dropout=0.1, paper_params_millions=None)
 
 # §6.3: 4 layers, d_model 1024, "the rest as the en-de base model". We keep d_k = 64 (16 heads)

@@ -93,8 +93,8 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
              tgt_vocab: Vocabulary | None = None, max_len: int = 1024, threads: int = 0,
              chunk_lines: int = 10_000,
              progress: Callable[[BinarizeStats], None] | None = None) -> BinarizeStats:
-    """Encode a parallel corpus into a data file. Pairs with an empty side or a side of more than
-    `max_len` subwords are dropped and counted. `tgt_vocab` only for a separate target vocabulary."""
+    """Encode a parallel corpus into a data file. Pairs with an empty side or a side of more
+    than `max_len` subwords are dropped and counted. `tgt_vocab`: a separate target vocabulary."""
     if str(src_path) == "-" and str(tgt_path) == "-":
         raise AttnError("source and target cannot both be stdin")
     started = time.perf_counter()

@@ -17,7 +17,8 @@ from .config import ModelConfig
 
 
 def sinusoidal_positions(length: int, d_model: int) -> Tensor:
-    """§3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))."""
+    """§3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model)),
+    PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))."""
     position = torch.arange(length, dtype=torch.float64).unsqueeze(1)  # (L, 1)
     two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (D/2,)
     angle = position / torch.pow(10000.0, two_i / d_model)  # (L, D/2)
@@ -168,16 +169,18 @@ class DecoderCache:
     self_kv: tuple[tuple[Tensor, Tensor], ...]
     step: int = 0
 
-    def reorder(self, indices: Tensor) -> "DecoderCache":
+    def reorder(self, indices: Tensor, same_sources: bool = False) -> "DecoderCache":
         """Select (and repeat) batch rows: beam reordering, expanding to beams, dropping
-        finished sentences."""
+        finished sentences. `same_sources`: every new row decodes the same source sentence as
+        the row it replaces (beams permuted within their sentence), so the source-side entries
+        stay as they are and only the self-attention cache is copied."""
         def pick(pair):
             return pair[0].index_select(0, indices), pair[1].index_select(0, indices)
-        return DecoderCache(
-            src_mask=self.src_mask.index_select(0, indices),
-            memory_kv=tuple(pick(kv) for kv in self.memory_kv),
-            self_kv=tuple(pick(kv) for kv in self.self_kv),
-            step=self.step)
+        self_kv = tuple(pick(kv) for kv in self.self_kv)
+        if same_sources:
+            return DecoderCache(self.src_mask, self.memory_kv, self_kv, self.step)
+        return DecoderCache(self.src_mask.index_select(0, indices),
+                            tuple(pick(kv) for kv in self.memory_kv), self_kv, self.step)
 
 
 class Transformer(nn.Module):

@@ -40,7 +40,7 @@ class LoadedModel:
 def unwrap(model: torch.nn.Module) -> Transformer:
     """The bare Transformer inside DistributedDataParallel and/or torch.compile wrappers."""
     while not isinstance(model, Transformer):
-        model = getattr(model, "module", None) or getattr(model, "_orig_mod")
+        model = getattr(model, "module", None) or model._orig_mod
     return model
 
 

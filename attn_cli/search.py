@@ -34,13 +34,19 @@ class Hypothesis:
     log_prob: float  # the sum of token log-probabilities, EOS included
 
 
-def topk_over_beams(scores: Tensor, log_probs: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """scores (B, K) of live beams + next-token log_probs (B, K, V) → the best k extensions of
-    every sentence: (their scores (B, k), the beam each extends (B, k), the token (B, k))."""
-    batch, beams, vocab = log_probs.shape
-    candidates = (scores.unsqueeze(-1) + log_probs).view(batch, beams * vocab)
-    best, flat = candidates.topk(k, dim=-1)
-    return best, torch.div(flat, vocab, rounding_mode="floor"), flat % vocab
+def topk_over_beams(scores: Tensor, logits: Tensor, log_normalizer: Tensor,
+                    k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """scores (B, K) of live beams + next-token logits (B, K, V) with their log-normalizers
+    (B, K, 1) → the best k extensions of every sentence: (their scores (B, k), the beam each
+    extends (B, k), the token (B, k)). The k best of a sentence are among the k best of each of
+    its beams, so the full log-softmax over the vocabulary is never materialised."""
+    batch, beams, vocab = logits.shape
+    per_beam = min(k, vocab)
+    top_logits, top_tokens = logits.topk(per_beam, dim=-1)  # (B, K, k)
+    candidates = (scores.unsqueeze(-1) + (top_logits - log_normalizer)).view(batch, -1)
+    best, flat = candidates.topk(min(k, beams * per_beam), dim=-1)
+    return best, torch.div(flat, per_beam, rounding_mode="floor"), \
+        top_tokens.view(batch, -1).gather(1, flat)
 
 
 def can_stop(finished: list[Hypothesis], best_live_log_prob: float, beam: int,
@@ -55,12 +61,14 @@ def can_stop(finished: list[Hypothesis], best_live_log_prob: float, beam: int,
     return best_live_log_prob / length_penalty(longest, alpha) <= worst_kept
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def beam_search(model, src_tokens: Tensor, beam: int = 4, alpha: float = 0.6,
                 max_len_a: float = 1.0, max_len_b: int = 50, nbest: int = 1,
-                banned: tuple[int, ...] | None = None) -> list[list[Hypothesis]]:
+                banned: tuple[int, ...] | None = None,
+                longest: int | None = None) -> list[list[Hypothesis]]:
     """src_tokens (B, S), padded with pad_id and ending in EOS → for each sentence, its `nbest`
-    best hypotheses, best first. `beam=1` is greedy search."""
+    best hypotheses, best first. `beam=1` is greedy search. `longest` caps every output length
+    (a model with learned positions has no position past its table)."""
     config = model.config
     eos, pad = config.eos_id, config.pad_id
     banned = (pad, config.bos_id) if banned is None else banned
@@ -68,7 +76,8 @@ def beam_search(model, src_tokens: Tensor, beam: int = 4, alpha: float = 0.6,
     batch = src_tokens.shape[0]
     nbest = min(nbest, beam)
     src_lengths = (src_tokens != pad).sum(dim=1) - 1  # without EOS
-    limits = [max_output_length(int(n), max_len_a, max_len_b) for n in src_lengths.tolist()]
+    limits = [min(max_output_length(int(n), max_len_a, max_len_b), longest or math.inf)
+              for n in src_lengths.tolist()]
 
     memory, src_mask = model.encode(src_tokens)
     cache = model.start_decoding(memory, src_mask)
@@ -83,15 +92,15 @@ def beam_search(model, src_tokens: Tensor, beam: int = 4, alpha: float = 0.6,
 
     for step in range(max(limits)):
         logits, cache = model.decode_step(tokens, cache)
-        log_probs = torch.log_softmax(logits.float(), dim=-1)
-        log_probs[:, list(banned)] = -math.inf
-        log_probs = log_probs.view(len(active), beam, -1)
+        logits = logits.float().view(len(active), beam, -1)
+        log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)  # the model's own p
+        logits[..., list(banned)] = -math.inf  # never chosen, but not renormalised away
         at_limit = torch.tensor([step + 1 >= limits[s] for s in active], device=device)
         if at_limit.any():  # the last allowed position: only EOS
-            forced = torch.full_like(log_probs[at_limit], -math.inf)
-            forced[..., eos] = log_probs[at_limit][..., eos]
-            log_probs[at_limit] = forced
-        best, origin, next_tokens = topk_over_beams(scores, log_probs, 2 * beam)
+            forced = torch.full_like(logits[at_limit], -math.inf)
+            forced[..., eos] = logits[at_limit][..., eos]
+            logits[at_limit] = forced
+        best, origin, next_tokens = topk_over_beams(scores, logits, log_normalizer, 2 * beam)
         history = torch.cat([history.gather(1, origin.unsqueeze(-1).expand(
             -1, -1, history.shape[-1])), next_tokens.unsqueeze(-1)], dim=-1)
 
@@ -101,7 +110,7 @@ def beam_search(model, src_tokens: Tensor, beam: int = 4, alpha: float = 0.6,
         best_cpu, ends_cpu = best.tolist(), ends.tolist()
         for row, sentence in enumerate(active):
             live = []
-            for rank in range(2 * beam):
+            for rank in range(len(best_cpu[row])):
                 if best_cpu[row][rank] == -math.inf:
                     break
                 if ends_cpu[row][rank]:
@@ -125,12 +134,12 @@ def beam_search(model, src_tokens: Tensor, beam: int = 4, alpha: float = 0.6,
         row_index = torch.tensor([row for row, _, _ in keep_rows], device=device)
         rank_index = torch.tensor([live for _, live, _ in keep_rows], device=device)
         new_scores = best[row_index.unsqueeze(-1), rank_index].clone()
-        for position, (_, live, distinct) in enumerate(keep_rows):
+        for position, (_, _, distinct) in enumerate(keep_rows):
             new_scores[position, distinct:] = -math.inf
         new_tokens = next_tokens[row_index.unsqueeze(-1), rank_index]
         parents = origin[row_index.unsqueeze(-1), rank_index]  # (B', K) beam in the old row
         cache_rows = (row_index.unsqueeze(-1) * beam + parents).view(-1)
-        cache = cache.reorder(cache_rows)
+        cache = cache.reorder(cache_rows, same_sources=len(keep_sentences) == len(active))
         history = history[row_index.unsqueeze(-1), rank_index]
         scores, tokens, active = new_scores, new_tokens.view(-1), keep_sentences
 

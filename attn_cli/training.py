@@ -535,9 +535,10 @@ def _check_resume(saved_config: ModelConfig, config: ModelConfig, saved_vocab: s
     changed = [name for name in sorted(architecture)
                if getattr(saved_config, name) != getattr(config, name)]
     if changed:
+        differences = ", ".join(f"{name} {getattr(saved_config, name)} -> "
+                                f"{getattr(config, name)}" for name in changed)
         raise AttnError(f"the run in {options.output} has another architecture "
-                        f"({', '.join(f'{n} {getattr(saved_config, n)} -> {getattr(config, n)}' for n in changed)}); "
-                        "start a new run to change it")
+                        f"({differences}); start a new run to change it")
     for key in sorted(set(recipe) | set(saved_options)):
         if key in ("resume", "schedule_offset"):
             continue
@@ -558,8 +559,13 @@ class _Progress:
         self.live = None
         if enabled and sys.stderr.isatty():
             from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                       TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
 
             self.live = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
                                  TextColumn("{task.fields[status]}"), TimeRemainingColumn(),

@@ -301,7 +301,7 @@ def report(speed: dict, memory: dict, vocab_note: str) -> None:
     log(f"  ratio ours/reference: {speed['ratio_lines_per_s']:.3f} (lines/s), "
         f"{speed['ratio_tokens_per_s']:.3f} (tokens/s)   target >= {SPEED_TARGET}  {verdict}")
     log()
-    log(f"binarize memory (fresh process each; baseline = peak RSS after imports + vocab load)")
+    log("binarize memory (fresh process each; baseline = peak RSS after imports + vocab load)")
     for name, run in memory["runs"].items():
         log(f"  {name:>4}  {run['lines']:8d} lines  {run['seconds']:6.2f} s   baseline "
             f"{mib(run['baseline_peak_rss_kib'])}   peak {mib(run['peak_rss_kib'])}   "

@@ -14,8 +14,14 @@ import torch
 
 from attn_cli.config import PRESETS
 from attn_cli.model import DecoderCache, Transformer
-from attn_cli.search import (Hypothesis, beam_search, can_stop, length_penalty,
-                             max_output_length, topk_over_beams)
+from attn_cli.search import (
+    Hypothesis,
+    beam_search,
+    can_stop,
+    length_penalty,
+    max_output_length,
+    topk_over_beams,
+)
 
 from .conftest import assert_clean_error, run_attn
 
@@ -36,7 +42,7 @@ def test_max_output_length_is_input_plus_50():
 def test_topk_over_beams_picks_across_beams():
     scores = torch.tensor([[0.0, -1.0]])
     log_probs = torch.log(torch.tensor([[[0.5, 0.3, 0.2], [0.9, 0.05, 0.05]]]))
-    best, origin, token = topk_over_beams(scores, log_probs, 3)
+    best, origin, token = topk_over_beams(scores, log_probs, torch.zeros(1, 2, 1), 3)
     assert origin.tolist() == [[0, 1, 0]] and token.tolist() == [[0, 0, 1]]
     assert best[0, 1].item() == pytest.approx(-1.0 + math.log(0.9))
 
@@ -193,7 +199,8 @@ def test_decode_keeps_one_line_per_line_in_order(trained, corpus):
     lines.insert(5, "   ")
     lines.append("word " * 3000)  # longer than the model takes: truncated, not dropped
     stdin = "\n".join(lines) + "\n"
-    result = run_attn("decode", "-m", model, "--beam", "2", "--max-len-b", "5", stdin=stdin)
+    result = run_attn("decode", "-m", model, "--beam", "2", "--max-len-b", "5", "--dtype", "fp32",
+                      stdin=stdin)
     assert result.returncode == 0, result.stderr
     out = result.stdout.split("\n")
     assert out[-1] == "" and len(out) - 1 == len(lines)
@@ -201,7 +208,7 @@ def test_decode_keeps_one_line_per_line_in_order(trained, corpus):
     assert "truncated" in result.stderr
     assert "sentences/s" in result.stderr.splitlines()[-1]
     # Each line translates as it would alone: order kept, batching invisible.
-    alone = run_attn("decode", "-m", model, "--beam", "2", "--max-len-b", "5",
+    alone = run_attn("decode", "-m", model, "--beam", "2", "--max-len-b", "5", "--dtype", "fp32",
                      stdin=lines[3] + "\n")
     assert alone.stdout == out[3] + "\n"
 

@@ -110,8 +110,8 @@ def test_weights_that_do_not_match_the_config(saved, vocabulary, tmp_path):
     path = tmp_path / "mismatch.st"
     save_model(path, other, vocabulary)
     # Rewrite the metadata to claim the original config while keeping the other weights.
-    from safetensors.torch import load_file
     from safetensors import safe_open
+    from safetensors.torch import load_file
     with safe_open(str(path), "pt") as handle:
         metadata = handle.metadata()
     metadata["config"] = model.config.to_json()

@@ -18,13 +18,12 @@ from safetensors.torch import load_file
 from attn_cli import training
 from attn_cli.checkpoints import list_checkpoints
 from attn_cli.config import PRESETS
-from attn_cli.data import ParallelData, token_batches
+from attn_cli.data import ParallelData
 from attn_cli.files import AttnError
 from attn_cli.model import Transformer
 from attn_cli.modelfile import load_model
 
 from .conftest import assert_clean_error, run_attn
-
 
 # ------------------------------------------------------------------------- recipe, by formula
 
@@ -110,7 +109,7 @@ def assert_same_weights(a: dict, b: dict, atol: float = 0.0) -> None:
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0 if atol == 0 else 1e-5,
-                                   msg=lambda m: f"{name}: {m}")
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 # ----------------------------------------------------------------------- gradient accumulation

@@ -7,8 +7,15 @@ import random
 import pytest
 
 from attn_cli.files import AttnError
-from attn_cli.trees import (PLACEHOLDER, Tree, clean, delinearize, evalb_sentence, linearize,
-                            normalize_tags, read_trees)
+from attn_cli.trees import (
+    PLACEHOLDER,
+    clean,
+    delinearize,
+    evalb_sentence,
+    linearize,
+    normalize_tags,
+    read_trees,
+)
 
 from .conftest import assert_clean_error, run_attn
 
@@ -133,7 +140,8 @@ def test_linearize_command_and_tree_scoring(tmp_path):
     scored = run_attn("score", "--trees", "--ref", treebank, stdin=perfect)
     assert scored.returncode == 0, scored.stderr
     assert "F1 100.00" in scored.stdout and "EX 100.00" in scored.stdout
-    flat = "(TOP (S (XX The) (XX cat) (XX sat) (XX on) (XX the) (XX mat) (XX to) (XX rest) (XX .)))\n"
+    flat = ("(TOP (S (XX The) (XX cat) (XX sat) (XX on) (XX the) (XX mat) (XX to) (XX rest) "
+            "(XX .)))\n")
     one = run_attn("score", "--trees", "--ref", treebank, stdin=flat + perfect.splitlines()[1]
                    + "\n", )
     assert one.returncode == 0 and "F1 100.00" not in one.stdout
