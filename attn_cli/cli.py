@@ -71,6 +71,9 @@ def vocab(
     seed: int = typer.Option(1, "--seed", help="Seed for the sample and the learner."),
     threads: int = typer.Option(0, "--threads", help="Worker threads (0: all cores)."),
     verbose: bool = typer.Option(False, "--verbose", help="Show SentencePiece's own log."),
+    symbols_path: Optional[Path] = typer.Option(
+        None, "--symbols", help="A file of tokens to keep whole, one per line (`attn parse "
+        "linearize` writes PREFIX.symbols with the tree brackets)."),
 ) -> None:
     """Learn a shared subword vocabulary (SentencePiece) from text files."""
     from . import vocab as vocabulary_module
@@ -83,7 +86,13 @@ def vocab(
     lines, total = vocabulary_module.sample_lines(files, sample, seed)
     note = f" (a sample of {len(lines)})" if total > len(lines) else ""
     log(f"vocab: learning a {size}-piece {model_type} vocabulary from {total} lines{note}")
-    learned = vocabulary_module.learn(lines, size, model_type, coverage, seed, threads, verbose)
+    symbols = None
+    if symbols_path is not None:
+        from .files import read_lines
+
+        symbols = [line.strip() for line in read_lines(symbols_path) if line.strip()]
+    learned = vocabulary_module.learn(lines, size, model_type, coverage, seed, threads, verbose,
+                                      symbols)
     listing = vocabulary_module.write(learned, output)
     log(f"vocab: wrote {output} and {listing} ({len(learned)} pieces, "
         f"sha256 {learned.checksum[:12]}) in {time.perf_counter() - started:.1f}s")
@@ -379,6 +388,9 @@ def parse(
     dtype: str = typer.Option("auto", "--dtype", help="auto (as decode), fp32, bf16, fp16."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads (0: all cores)."),
     input_path: str = typer.Option("-", "-i", "--input", help="Read this file, not stdin."),
+    constrain: bool = typer.Option(False, "--constrain", help="Constrain the search to "
+                                   "well-formed trees over exactly the input's words (not in "
+                                   "the paper, which repairs the output afterwards)."),
 ) -> None:
     """Constituency parsing with the same model (paper §6.3): one tokenized sentence per line in,
     one well-formed bracketed tree per line out, always. `attn parse linearize` makes the
@@ -390,7 +402,7 @@ def parse(
     from .devices import inference_dtype, pick_device
     from .files import open_binary
     from .modelfile import load_model
-    from .parsing import tree_line
+    from .parsing import tree_constraint_for, tree_line
     from .translate import DecodeOptions, Translator, run
 
     _set_threads(threads)
@@ -399,7 +411,8 @@ def parse(
     options = DecodeOptions(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
                             batch_tokens=batch_tokens, buffer_size=buffer_size)
     precision = inference_dtype(dtype, chosen_device, beam)
-    translator = Translator(loaded, options, chosen_device, precision, warn=log)
+    translator = Translator(loaded, options, chosen_device, precision, warn=log,
+                            constraint_for=tree_constraint_for(loaded) if constrain else None)
     out = _text_stdout()
     with open_binary(input_path) as stream:
         stats = run(translator, stream, out, "<stdin>" if input_path == "-" else input_path,
@@ -420,7 +433,8 @@ def parse_linearize(
     from .parsing import write_training_pairs
 
     written, skipped = write_training_pairs(treebank, prefix)
-    log(f"parse linearize: {written} trees to {prefix}.src and {prefix}.tgt"
+    log(f"parse linearize: {written} trees to {prefix}.src and {prefix}.tgt, their brackets "
+        f"to {prefix}.symbols"
         + (f" ({skipped} empty after clean-up, skipped)" if skipped else ""))
 
 

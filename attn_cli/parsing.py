@@ -19,10 +19,25 @@ def tree_line(translator, line: str, hypotheses: list[Hypothesis]) -> str:
     return str(delinearize(sequence, words))
 
 
+def tree_constraint_for(loaded):
+    """A function making the search constraint of `attn parse --constrain` for a batch."""
+    from .search import TreeConstraint
+
+    processor = loaded.tgt_vocab.processor
+    pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
+    classes = TreeConstraint.for_pieces(pieces, loaded.config.eos_id, []).piece_classes
+
+    def make(lines: list[str]) -> TreeConstraint:
+        return TreeConstraint(classes, [len(line.split()) for line in lines])
+    return make
+
+
 def write_training_pairs(treebank_files: list[str], prefix: str) -> tuple[int, int]:
-    """PREFIX.src (words) and PREFIX.tgt (linearized trees) from treebank files. Returns
-    (trees written, trees left empty by the clean-up)."""
+    """PREFIX.src (words), PREFIX.tgt (linearized trees) and PREFIX.symbols (the bracket tokens,
+    for `attn vocab --symbols`) from treebank files. Returns (trees written, trees left empty by
+    the clean-up)."""
     written = skipped = 0
+    symbols: set[str] = set()
     src_path, tgt_path = Path(f"{prefix}.src"), Path(f"{prefix}.tgt")
     with atomic_output(src_path, "w") as src, atomic_output(tgt_path, "w") as tgt:
         for tree in read_treebank(treebank_files):
@@ -30,7 +45,11 @@ def write_training_pairs(treebank_files: list[str], prefix: str) -> tuple[int, i
             if cleaned is None or not cleaned.children:
                 skipped += 1
                 continue
+            sequence = linearize(cleaned)
+            symbols.update(sequence.split())
             src.write(" ".join(cleaned.words()) + "\n")
-            tgt.write(linearize(cleaned) + "\n")
+            tgt.write(sequence + "\n")
             written += 1
+    with atomic_output(f"{prefix}.symbols", "w") as listing:
+        listing.writelines(f"{symbol}\n" for symbol in sorted(symbols))
     return written, skipped

@@ -64,11 +64,12 @@ def can_stop(finished: list[Hypothesis], best_live_log_prob: float, beam: int,
 @torch.inference_mode()
 def beam_search(model, src_tokens: Tensor, beam: int = 4, alpha: float = 0.6,
                 max_len_a: float = 1.0, max_len_b: int = 50, nbest: int = 1,
-                banned: tuple[int, ...] | None = None,
-                longest: int | None = None) -> list[list[Hypothesis]]:
+                banned: tuple[int, ...] | None = None, longest: int | None = None,
+                constraint=None) -> list[list[Hypothesis]]:
     """src_tokens (B, S), padded with pad_id and ending in EOS → for each sentence, its `nbest`
     best hypotheses, best first. `beam=1` is greedy search. `longest` caps every output length
-    (a model with learned positions has no position past its table)."""
+    (a model with learned positions has no position past its table). `constraint` (optional,
+    e.g. `TreeConstraint`) says which tokens each hypothesis may take next."""
     config = model.config
     eos, pad = config.eos_id, config.pad_id
     banned = (pad, config.bos_id) if banned is None else banned
@@ -88,6 +89,7 @@ def beam_search(model, src_tokens: Tensor, beam: int = 4, alpha: float = 0.6,
     tokens = torch.full((batch * beam,), config.bos_id, dtype=torch.long, device=device)
     history = torch.empty((batch, beam, 0), dtype=torch.long, device=device)
     active = list(range(batch))  # sentence ids of the batch rows still searching
+    state = constraint.start(batch, beam, device) if constraint is not None else None
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
 
     for step in range(max(limits)):
@@ -96,6 +98,10 @@ def beam_search(model, src_tokens: Tensor, beam: int = 4, alpha: float = 0.6,
         log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)  # the model's own p
         logits[..., list(banned)] = -math.inf  # never chosen, but not renormalised away
         at_limit = torch.tensor([step + 1 >= limits[s] for s in active], device=device)
+        if constraint is not None:
+            steps_left = torch.tensor([limits[s] - step - 1 for s in active], device=device)
+            allowed = constraint.allowed(state, active, steps_left) | at_limit.view(-1, 1, 1)
+            logits.masked_fill_(~allowed, -math.inf)
         if at_limit.any():  # the last allowed position: only EOS
             forced = torch.full_like(logits[at_limit], -math.inf)
             forced[..., eos] = logits[at_limit][..., eos]
@@ -103,6 +109,8 @@ def beam_search(model, src_tokens: Tensor, beam: int = 4, alpha: float = 0.6,
         best, origin, next_tokens = topk_over_beams(scores, logits, log_normalizer, 2 * beam)
         history = torch.cat([history.gather(1, origin.unsqueeze(-1).expand(
             -1, -1, history.shape[-1])), next_tokens.unsqueeze(-1)], dim=-1)
+        if constraint is not None:
+            state = constraint.advance(state, origin, next_tokens)
 
         ends = next_tokens == eos
         penalty = length_penalty(step + 1, alpha)
@@ -141,8 +149,75 @@ def beam_search(model, src_tokens: Tensor, beam: int = 4, alpha: float = 0.6,
         cache_rows = (row_index.unsqueeze(-1) * beam + parents).view(-1)
         cache = cache.reorder(cache_rows, same_sources=len(keep_sentences) == len(active))
         history = history[row_index.unsqueeze(-1), rank_index]
+        if constraint is not None:
+            state = tuple(part[row_index.unsqueeze(-1), rank_index] for part in state)
         scores, tokens, active = new_scores, new_tokens.view(-1), keep_sentences
 
     return [sorted(hypotheses, key=lambda h: -h.score)[:nbest] or [Hypothesis([], -math.inf,
                                                                              -math.inf)]
             for hypotheses in finished]
+
+
+class TreeConstraint:
+    """Search constraint for linearized trees (an option of `attn parse`, not in the paper):
+    exactly as many placeholders as the sentence has words, closing brackets only inside an open
+    one, EOS only when every word is placed and every bracket closed, nothing but brackets and
+    placeholders. The state per hypothesis is (placeholders emitted, open brackets)."""
+
+    OTHER, PLACEHOLDER, OPEN, CLOSE, END = range(5)
+
+    def __init__(self, piece_classes: Tensor, word_counts: list[int]):
+        self.piece_classes = piece_classes  # (V,) long: the class of every vocabulary piece
+        self.word_counts = word_counts  # per sentence of the batch
+
+    @classmethod
+    def for_pieces(cls, pieces: list[str], eos_id: int, word_counts: list[int],
+                   placeholder: str = "XX") -> "TreeConstraint":
+        classes = []
+        for piece in pieces:
+            text = piece.lstrip("\u2581")
+            if text == placeholder:
+                classes.append(cls.PLACEHOLDER)
+            elif text.startswith("(") and len(text) > 1:
+                classes.append(cls.OPEN)
+            elif text.startswith(")"):
+                classes.append(cls.CLOSE)
+            else:
+                classes.append(cls.OTHER)
+        classes[eos_id] = cls.END
+        return cls(torch.tensor(classes), word_counts)
+
+    def start(self, batch: int, beam: int, device) -> tuple[Tensor, Tensor]:
+        self.piece_classes = self.piece_classes.to(device)
+        zeros = torch.zeros(batch, beam, dtype=torch.long, device=device)
+        return zeros, zeros.clone()
+
+    def allowed(self, state: tuple[Tensor, Tensor], active: list[int],
+                steps_left: Tensor) -> Tensor:
+        """(B', K, V) True where a token may come next. `steps_left` (B',): the tokens that may
+        still follow this one; every choice must leave room to place the missing words, close
+        the open brackets and end."""
+        placed, depth = state  # (B', K)
+        words = torch.tensor([self.word_counts[s] for s in active],
+                             device=placed.device).unsqueeze(-1)
+        missing = words - placed
+        room = steps_left.unsqueeze(-1)
+        by_class = torch.stack([
+            torch.zeros_like(depth, dtype=torch.bool),  # anything else: never
+            (missing > 0) & (missing + depth <= room),  # a placeholder
+            (missing > 0) & (missing + depth + 2 <= room),  # an opening bracket
+            (depth > 0) & (missing + depth <= room),  # a closing bracket
+            (missing <= 0) & (depth == 0),  # the end
+        ], dim=-1)  # (B', K, classes)
+        stuck = ~by_class.any(dim=-1, keepdim=True)  # out of room: let the repair cope
+        by_class = by_class | (stuck & torch.tensor([False, True, False, True, True],
+                                                    device=depth.device))
+        return by_class[..., self.piece_classes]  # (B', K, V)
+
+    def advance(self, state: tuple[Tensor, Tensor], origin: Tensor,
+                tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """The state of every candidate: its parent beam's, plus the token it adds."""
+        placed, depth = (part.gather(1, origin) for part in state)
+        kind = self.piece_classes[tokens]
+        return (placed + (kind == self.PLACEHOLDER).long(),
+                depth + (kind == self.OPEN).long() - (kind == self.CLOSE).long())

@@ -338,6 +338,65 @@ def _log(processes: Processes, message: str) -> None:
         print(f"train: {message}", file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True)
+class _Position:
+    step: int = 0
+    epoch: int = 0
+    offset: int = 0
+    elapsed_seconds: float = 0.0
+    schedule_offset: int = 0  # the step the warmup counts from (--reset-schedule)
+
+    def __iter__(self):
+        return iter(dataclasses.astuple(self))
+
+
+def _start_or_resume(options: TrainOptions, processes: Processes, config: ModelConfig,
+                     recipe: dict, data: ParallelData, dtype: str):
+    """A new model and optimizer, or the last checkpoint's with Adam's moments, the data
+    position and the schedule as they were. Refuses to overwrite a run without --resume."""
+    run_dir = Path(options.output)
+    existing = checkpoints.list_checkpoints(run_dir, need_state=True)
+    if existing and not options.resume:
+        raise AttnError(f"{run_dir} already holds checkpoints (last: step {existing[-1][0]}); "
+                        "add --resume to continue that run, or choose another -o")
+    torch.manual_seed(options.seed)
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == "fp16")
+    if not (options.resume and existing):
+        if options.resume:
+            _log(processes, f"nothing to resume in {run_dir}: starting a new run")
+        model = Transformer(config).to(processes.device).train()
+        recipe["schedule_offset"] = 0
+        return model, _adam(model), scaler, _Position()
+
+    loaded, state = checkpoints.load_checkpoint(run_dir, existing[-1][0], processes.device)
+    _check_resume(loaded.config, config, loaded.src_vocab.checksum,
+                  data.metadata["src_vocab_sha256"], state.options, recipe, options, processes)
+    model = loaded.model.train()
+    optimizer = _adam(model)
+    if options.reset_optimizer:
+        _log(processes, "--reset-optimizer: Adam's moments start from zero")
+    else:
+        checkpoints.restore_adam(model, optimizer, state.adam)
+        if state.scaler and dtype == "fp16":
+            scaler.load_state_dict(state.scaler)
+    schedule_offset = state.options.get("schedule_offset", 0)
+    if options.reset_schedule:
+        schedule_offset = state.step
+        _log(processes, f"--reset-schedule: warmup starts again at step {state.step + 1}")
+    recipe["schedule_offset"] = schedule_offset
+    if processes.is_main:
+        checkpoints.truncate_metrics(run_dir, state.step)
+    _log(processes, f"resuming {run_dir} from step {state.step} (epoch {state.epoch}, batch "
+         f"{state.offset})")
+    return model, optimizer, scaler, _Position(state.step, state.epoch, state.offset,
+                                               state.elapsed_seconds, schedule_offset)
+
+
+def _adam(model: torch.nn.Module) -> torch.optim.Adam:
+    """§5.3: Adam with β1 = 0.9, β2 = 0.98, ε = 1e-9 (the rate is set every step)."""
+    return torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9)
+
+
 def _train(options: TrainOptions, processes: Processes) -> Path | None:
     recipe = options.recipe()
     preset = get_preset(options.preset)
@@ -354,45 +413,9 @@ def _train(options: TrainOptions, processes: Processes) -> Path | None:
                                  None if data.shared_vocab else len(data.tgt_vocab),
                                  dropout=recipe["dropout"])
 
-    existing = checkpoints.list_checkpoints(run_dir, need_state=True)
-    state = None
-    if existing and not options.resume:
-        raise AttnError(f"{run_dir} already holds checkpoints (last: step {existing[-1][0]}); "
-                        "add --resume to continue that run, or choose another -o")
-    torch.manual_seed(options.seed)
-    if options.resume and existing:
-        loaded, state = checkpoints.load_checkpoint(run_dir, existing[-1][0], processes.device)
-        _check_resume(loaded.config, config, loaded.src_vocab.checksum,
-                      data.metadata["src_vocab_sha256"], state.options, recipe, options,
-                      processes)
-        model = loaded.model.train()
-    else:
-        if options.resume:
-            _log(processes, f"nothing to resume in {run_dir}: starting a new run")
-        model = Transformer(config).to(processes.device).train()
-
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9)
-    step, epoch, offset, elapsed_before = 0, 0, 0, 0.0
-    schedule_offset = 0
-    scaler = torch.amp.GradScaler("cuda", enabled=dtype == "fp16")
-    if state is not None:
-        step, epoch, offset, elapsed_before = state.step, state.epoch, state.offset, \
-            state.elapsed_seconds
-        if options.reset_optimizer:
-            _log(processes, "--reset-optimizer: Adam's moments start from zero")
-        else:
-            checkpoints.restore_adam(model, optimizer, state.adam)
-            if state.scaler and dtype == "fp16":
-                scaler.load_state_dict(state.scaler)
-        if options.reset_schedule:
-            schedule_offset = step
-            _log(processes, f"--reset-schedule: warmup starts again at step {step + 1}")
-        elif "schedule_offset" in state.options:
-            schedule_offset = state.options["schedule_offset"]
-        if processes.is_main:
-            checkpoints.truncate_metrics(run_dir, step)
-        _log(processes, f"resuming {run_dir} from step {step} (epoch {epoch}, batch {offset})")
-    recipe["schedule_offset"] = schedule_offset
+    model, optimizer, scaler, position = _start_or_resume(options, processes, config, recipe,
+                                                          data, dtype)
+    step, epoch, offset, elapsed_before, schedule_offset = position
 
     trained = model
     if processes.distributed:
@@ -417,16 +440,8 @@ def _train(options: TrainOptions, processes: Processes) -> Path | None:
     window = {"loss": 0.0, "nll": 0.0, "tgt": 0, "src": 0, "start": time.monotonic()}
     last_checkpoint = None
     progress = _Progress(processes.is_main, recipe["max_steps"], step)
-    stop_reason = None
     with StopRequest() as stop, progress:
-        while True:
-            elapsed = elapsed_before + time.monotonic() - started
-            if step >= recipe["max_steps"]:
-                stop_reason = f"reached {recipe['max_steps']} steps"
-            elif elapsed >= max_seconds:
-                stop_reason = f"reached --max-time {options.max_time}"
-            if stop_reason:
-                break
+        while step < recipe["max_steps"]:
             micro_batches = stream.take(plan.micro_batches_per_step)
             step_tgt_tokens = sum(int(tgt_lengths[b].sum()) + len(b) for b in micro_batches)
             step_src_tokens = sum(int(src_lengths[b].sum()) + len(b) for b in micro_batches)
@@ -440,11 +455,14 @@ def _train(options: TrainOptions, processes: Processes) -> Path | None:
                                  recipe["lr_scale"])
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            # Rank 0's clock decides time-based saving and stopping for every rank (a decision
+            # taken apart would leave one rank waiting in a collective for the others).
             due = (step + 1 - last_save_step >= save_amount if save_unit == "steps"
                    else time.monotonic() - last_save_time >= save_amount)
-            loss_sum, nll_sum, stop_votes, save_votes = all_reduce_sum(
-                [loss_sum, nll_sum, float(stop.requested), float(due and processes.is_main)],
-                processes)
+            time_up = elapsed_before + time.monotonic() - started >= max_seconds
+            loss_sum, nll_sum, stop_votes, save_votes, time_votes = all_reduce_sum(
+                [loss_sum, nll_sum, float(stop.requested), float(due and processes.is_main),
+                 float(time_up and processes.is_main)], processes)
             if not math.isfinite(loss_sum):
                 optimizer.zero_grad(set_to_none=True)
                 good = checkpoints.list_checkpoints(run_dir, need_state=True)
@@ -481,9 +499,12 @@ def _train(options: TrainOptions, processes: Processes) -> Path | None:
                 progress.log(row)
                 window = {"loss": 0.0, "nll": 0.0, "tgt": 0, "src": 0,
                           "start": time.monotonic()}
-            if stop_votes:
-                stop_reason = "stopped by a signal"
+            if stop_votes or time_votes:
+                stop_reason = ("stopped by a signal" if stop_votes
+                               else f"reached --max-time {options.max_time}")
                 break
+        else:
+            stop_reason = f"reached {recipe['max_steps']} steps"
     if last_save_step != step or last_checkpoint is None:
         row = {"step": step, "elapsed_s": elapsed_before + time.monotonic() - started}
         if valid is not None:

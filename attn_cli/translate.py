@@ -116,7 +116,7 @@ class Translator:
     """A loaded model plus the search settings: lines in, hypotheses out."""
 
     def __init__(self, loaded: LoadedModel, options: DecodeOptions, device: torch.device,
-                 dtype: str = "fp32", warn=None):
+                 dtype: str = "fp32", warn=None, constraint_for=None):
         self.loaded, self.options, self.device = loaded, options, device
         # Inference in bf16/fp16 converts the weights once (no per-call autocast casts): on a
         # CPU with native bf16 (AMX, AVX512-BF16) the matmuls run about twice as fast.
@@ -130,6 +130,8 @@ class Translator:
         self.longest_output = config.max_positions - 1 if learned else None
         self.warn = warn or (lambda message: print(message, file=sys.stderr, flush=True))
         self.stats = DecodeStats()
+        # constraint_for(lines of a batch) → a search constraint for them (parsing), or None
+        self.constraint_for = constraint_for
 
     def encode(self, lines: list[str], first_line: int) -> list[list[int]]:
         ids = self.loaded.src_vocab.encode(lines)
@@ -143,12 +145,13 @@ class Translator:
             sequence.append(eos)
         return ids
 
-    def search(self, ids: list[list[int]]) -> list[list[Hypothesis]]:
+    def search(self, ids: list[list[int]], constraint=None) -> list[list[Hypothesis]]:
         src = pad_sequences(ids, self.loaded.config.pad_id).to(self.device)
         options = self.options
         return beam_search(self.model, src, beam=options.beam, alpha=options.alpha,
                            max_len_a=options.max_len_a, max_len_b=options.max_len_b,
-                           nbest=options.nbest, longest=self.longest_output)
+                           nbest=options.nbest, longest=self.longest_output,
+                           constraint=constraint)
 
     def translate_window(self, lines: list[str], first_line: int) -> list[list[Hypothesis]]:
         """Hypotheses for every line, in input order; an empty line gets one empty hypothesis."""
@@ -161,7 +164,9 @@ class Translator:
             lengths = [len(sequence) for sequence in ids]
             budget = max(1, self.options.batch_tokens // self.options.beam)
             for batch in token_budget_batches(lengths, budget):
-                found = self.search([ids[i] for i in batch])
+                constraint = self.constraint_for([lines[todo[i]] for i in batch]) \
+                    if self.constraint_for else None
+                found = self.search([ids[i] for i in batch], constraint)
                 for index, hypotheses in zip(batch, found):
                     results[todo[index]] = hypotheses
         return results

@@ -93,8 +93,11 @@ def sample_lines(paths: Iterable[str], sample_size: int, seed: int) -> tuple[lis
 
 
 def learn(lines: list[str], size: int, model_type: str = "bpe", coverage: float = 1.0,
-          seed: int = 1, threads: int = 0, verbose: bool = False) -> Vocabulary:
-    """Train a SentencePiece model on `lines` (already sampled) and return it."""
+          seed: int = 1, threads: int = 0, verbose: bool = False,
+          symbols: list[str] | None = None) -> Vocabulary:
+    """Train a SentencePiece model on `lines` (already sampled) and return it. `symbols`,
+    whitespace-separated tokens of the text, always become single pieces (the bracket tokens of
+    linearized trees, say)."""
     import sentencepiece
 
     if not lines:
@@ -110,6 +113,8 @@ def learn(lines: list[str], size: int, model_type: str = "bpe", coverage: float 
             bos_piece=SPECIAL_PIECES[BOS_ID], eos_piece=SPECIAL_PIECES[EOS_ID],
             input_sentence_size=0, shuffle_input_sentence=False,  # we sampled already
             max_sentence_length=1 << 16, num_threads=threads or os.cpu_count() or 1,
+            # A token standing alone is word-initial for SentencePiece: "▁(NP", one piece.
+            user_defined_symbols=[f"\u2581{symbol}" for symbol in symbols or []],
             minloglevel=0 if verbose else 2)
     except RuntimeError as error:
         detail = str(error).strip().splitlines()[-1] if str(error).strip() else "unknown"

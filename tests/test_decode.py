@@ -309,3 +309,25 @@ def test_score_does_not_import_torch(corpus):
             "except SystemExit:\n    pass\nprint('torch' in sys.modules, file=sys.stderr)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stderr.strip().splitlines()[-1] == "False"
+
+
+def test_tree_constraint_gives_balanced_trees_with_the_word_count():
+    from attn_cli.search import TreeConstraint
+
+    pieces = ["<pad>", "<unk>", "<s>", "</s>", "\u2581XX", "\u2581(S", "\u2581)S", "\u2581(NP",
+              "\u2581)NP", "junk"]
+    model = random_model(vocab=len(pieces), seed=5)
+    src = torch.tensor([[4, 5, 6, 3], [7, 3, 0, 0]])
+    words = [3, 1]
+    constraint = TreeConstraint.for_pieces(pieces, eos_id=3, word_counts=words)
+    found = beam_search(model, src, beam=3, nbest=3, max_len_a=0, max_len_b=20,
+                        constraint=constraint)
+    for count, hypotheses in zip(words, found):
+        for hypothesis in hypotheses:
+            tokens = [pieces[t] for t in hypothesis.tokens]
+            assert tokens.count("\u2581XX") == count and "junk" not in tokens
+            depth = 0
+            for token in tokens:
+                depth += token.startswith("\u2581(") - token.startswith("\u2581)")
+                assert depth >= 0
+            assert depth == 0

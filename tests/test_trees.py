@@ -136,6 +136,16 @@ def test_linearize_command_and_tree_scoring(tmp_path):
     src = (tmp_path / "pairs.src").read_text(encoding="utf-8").splitlines()
     tgt = (tmp_path / "pairs.tgt").read_text(encoding="utf-8").splitlines()
     assert src[0] == "The cat sat on the mat to rest ." and len(tgt) == 2
+    symbols = (tmp_path / "pairs.symbols").read_text(encoding="utf-8").split()
+    assert {"(S", ")S", "(NP", ")NP", "(ADVP", "XX"} <= set(symbols)
+    # A vocabulary told about the symbols keeps every bracket token whole.
+    vocab = run_attn("vocab", tmp_path / "pairs.src", tmp_path / "pairs.tgt", "-o",
+                     tmp_path / "v.model", "--size", "60", "--symbols", tmp_path / "pairs.symbols")
+    assert vocab.returncode == 0, vocab.stderr
+    from attn_cli.vocab import Vocabulary
+
+    pieces = Vocabulary.from_file(tmp_path / "v.model").processor.encode(tgt[0], out_type=str)
+    assert len(pieces) == len(tgt[0].split())
     perfect = "\n".join(str(normalize_tags(clean(t))) for t in read_trees(TREEBANK)) + "\n"
     scored = run_attn("score", "--trees", "--ref", treebank, stdin=perfect)
     assert scored.returncode == 0, scored.stderr
