@@ -228,11 +228,6 @@ def average(
     log(f"average: wrote {output}, the mean of {len(chosen)} checkpoint(s)")
 
 
-def _not_built(command: str, issue: int) -> None:
-    log(f"error: `attn {command}` is not built yet (tracked in issue {issue})")
-    raise typer.Exit(2)
-
-
 def _text_stdout():
     """stdout as UTF-8 text with "\n" line ends, whatever the locale."""
     import io
@@ -264,8 +259,8 @@ def decode(
     buffer_size: int = typer.Option(2000, "--buffer-size", min=1, help="Lines read ahead and "
                                     "sorted by length (1: interactive, line by line)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA and on CPUs with "
-                              "native bf16, else fp32), fp32, bf16 or fp16."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), fp32, "
+                              "bf16 (faster on CPUs with native bf16) or fp16."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads (0: all cores)."),
     raw: bool = typer.Option(False, "--raw", help="Print subword pieces, not detokenized "
                              "text."),
@@ -285,7 +280,7 @@ def decode(
     options = DecodeOptions(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
                             nbest=nbest, batch_tokens=batch_tokens, buffer_size=buffer_size,
                             raw=raw)
-    precision = inference_dtype(dtype, chosen_device, beam)
+    precision = inference_dtype(dtype, chosen_device)
     translator = Translator(loaded, options, chosen_device, precision, warn=log)
     out = _text_stdout()
     with open_binary(input_path) as stream:
@@ -410,7 +405,7 @@ def parse(
     loaded = load_model(model_path, device=chosen_device)
     options = DecodeOptions(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
                             batch_tokens=batch_tokens, buffer_size=buffer_size)
-    precision = inference_dtype(dtype, chosen_device, beam)
+    precision = inference_dtype(dtype, chosen_device)
     translator = Translator(loaded, options, chosen_device, precision, warn=log,
                             constraint_for=tree_constraint_for(loaded) if constrain else None)
     out = _text_stdout()

@@ -33,13 +33,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
     return dtype
 
 
-def inference_dtype(dtype: str, device: torch.device, beam: int) -> str:
-    """For decoding: auto is bf16 on CUDA; on a CPU with native bf16 matmuls (AMX or
-    AVX512-BF16) it is bf16 for beam search (1.4x the fp32 speed at the same BLEU, measured in
-    benchmarks/) and fp32 for greedy search (fast enough, and bit-identical however batched)."""
-    if dtype == "auto" and device.type == "cpu":
-        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return "bf16" if native and beam > 1 else "fp32"
+def inference_dtype(dtype: str, device: torch.device) -> str:
+    """For decoding: auto is bf16 on CUDA and fp32 on the CPU, where the output is then the
+    same however the lines are batched. `--dtype bf16` on a CPU with native bf16 (AMX,
+    AVX512-BF16) converts the weights once and runs beam search 1.1-1.3x faster, BLEU within
+    ±0.05 (benchmarks/README.md), but a few lines may differ with the batching."""
+    if dtype == "bf16" and device.type == "cpu" and \
+            not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        raise AttnError("--dtype bf16: this CPU has no native bf16 matmuls; use fp32")
     return resolve_dtype(dtype, device)
 
 

@@ -9,6 +9,7 @@ and free-form provenance (preset, step, attn version).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ import torch
 from . import __version__, stfile
 from .config import ModelConfig
 from .files import AttnError, atomic_path
-from .model import Transformer, sinusoidal_positions
+from .model import Transformer
 from .vocab import Vocabulary
 
 MODEL_FORMAT = "attn-model"
@@ -98,6 +99,21 @@ def read_model_header(path: str | os.PathLike) -> tuple[stfile.Header, ModelConf
     return header, config
 
 
+@contextlib.contextmanager
+def _skip_initialization():
+    """Build modules without drawing random weights (seconds for `big`) that a checkpoint
+    overwrites anyway: torch.nn.init's fillers do nothing meanwhile."""
+    names = ("kaiming_uniform_", "uniform_", "normal_", "xavier_uniform_", "zeros_", "ones_")
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    for name in names:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch.nn.init, name, function)
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedModel:
     """Load a model file; every way it can be wrong is an AttnError naming the file."""
     from safetensors import SafetensorError
@@ -123,9 +139,8 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> L
         raise AttnError(f"model file {path} is corrupt: its vocabulary ({len(src_vocab)}/"
                         f"{len(tgt_vocab)} pieces) does not match its config "
                         f"({config.src_vocab_size}/{config.tgt_vocab_size})")
-    with torch.device("meta"):
+    with _skip_initialization():  # every weight comes from the file
         model = Transformer(config)
-    model = model.to_empty(device="cpu")
     if config.share_embeddings:
         tensors["src_embed.weight"] = tensors.get("tgt_embed.weight")
     expected = model.state_dict()
@@ -137,7 +152,5 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> L
         raise AttnError(f"model file {path}: weights do not match its config "
                         f"({', '.join(problems[:4]) or 'missing tgt_embed.weight'})")
     model.load_state_dict(tensors)
-    # A non-persistent buffer, left uninitialised by to_empty: rebuild it.
-    model.sinusoids.copy_(sinusoidal_positions(config.max_positions, config.d_model))
     model.eval()
     return LoadedModel(model.to(device), src_vocab, tgt_vocab, dict(header.metadata))
