@@ -54,14 +54,22 @@ def check_options(argv: list[str]) -> None:
         command, name, argv, parent = sub, rest[0], rest[1:], context
 
 
+@pytest.fixture
+def sample_treebank(tmp_path) -> Path:
+    """Empty stand-ins for the NLTK sample's file names (no treebank data in the tests)."""
+    for number in ("0001", "0159", "0160", "0179"):
+        (tmp_path / f"wsj_{number}.mrg").write_text("")
+    return tmp_path
+
+
 @pytest.mark.parametrize("recipe,targets,expected", [
     ("multi30k", [], ["vocab", "binarize", "train", "average", "decode", "score"]),
     ("wmt14-en-de", ["base", "big"], ["vocab", "binarize", "train", "average", "decode", "score"]),
     ("wmt14-en-fr", ["base", "big"], ["vocab", "binarize", "train", "average", "decode", "score"]),
     ("wsj-parse", [], ["parse", "vocab", "binarize", "train", "average", "score"]),
 ])
-def test_recipe_commands_exist(recipe, targets, expected):
-    commands = attn_commands(dry_run(recipe, *targets))
+def test_recipe_commands_exist(recipe, targets, expected, sample_treebank):
+    commands = attn_commands(dry_run(recipe, *targets, SAMPLE=str(sample_treebank)))
     assert [c for c in expected if not any(cmd[0] == c for cmd in commands)] == []
     for argv in commands:
         check_options(argv)
@@ -79,6 +87,19 @@ def test_wmt_recipes_follow_the_paper():
     assert "torchrun" in text and "--nproc-per-node 8" in text
     french = " ".join(dry_run("wmt14-en-fr", "big"))
     assert "--size 32000" in french and "--preset big-enfr" in french
+
+
+def test_parse_recipe_splits_the_sample(sample_treebank):
+    text = " ".join(dry_run("wsj-parse", SAMPLE=str(sample_treebank)))
+    train = text.split("-o /nonexistent-work/train")[0]
+    assert "wsj_0001.mrg" in train and "wsj_0159.mrg" in train and "wsj_0160" not in train
+    assert "--preset parse-small" in text
+
+
+def test_parse_recipe_without_a_treebank_is_a_clear_error(tmp_path):
+    result = subprocess.run(["make", "-C", str(EXAMPLES / "wsj-parse"), "DRYRUN=1",
+                             f"SAMPLE={tmp_path}"], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "no treebank files found" in result.stderr
 
 
 def test_parse_recipe_uses_the_full_treebank_split_when_given(tmp_path):
