@@ -236,12 +236,24 @@ def _text_stdout():
                             write_through=False)
 
 
-def _set_threads(threads: int) -> None:
+def _set_threads(threads: int) -> int:
+    """Torch threads of this (the main) thread: `threads`, or every core for 0."""
     import os
 
     import torch
 
-    torch.set_num_threads(threads or os.cpu_count() or 1)
+    threads = threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _search_workers(threads: int, workers: int, device) -> tuple[int, int]:
+    """(batches searched side by side, torch threads of each) for decode and parse. auto (0):
+    on a CPU one batch per thread, one torch thread each (measured fastest: benchmarks/); on a
+    GPU one batch at a time."""
+    if workers == 0:
+        workers = threads if device.type == "cpu" else 1
+    return workers, max(1, threads // workers)
 
 
 @app.command()
@@ -262,6 +274,8 @@ def decode(
     dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), fp32, "
                               "bf16 (faster on CPUs with native bf16) or fp16."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads (0: all cores)."),
+    workers: int = typer.Option(0, "--workers", min=0, help="Batches searched side by side, "
+                                "sharing the threads (0: one per thread on a CPU, 1 on a GPU)."),
     raw: bool = typer.Option(False, "--raw", help="Print subword pieces, not detokenized "
                              "text."),
     input_path: str = typer.Option("-", "-i", "--input", help="Read this file, not stdin."),
@@ -272,14 +286,15 @@ def decode(
     from .modelfile import load_model
     from .translate import DecodeOptions, Translator, run
 
-    _set_threads(threads)
+    threads = _set_threads(threads)
     chosen_device = pick_device(device)
+    workers, worker_threads = _search_workers(threads, workers, chosen_device)
     started = time.perf_counter()
     loaded = load_model(model_path, device=chosen_device)
     log(f"decode: model loaded in {time.perf_counter() - started:.2f}s")
     options = DecodeOptions(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
                             nbest=nbest, batch_tokens=batch_tokens, buffer_size=buffer_size,
-                            raw=raw)
+                            raw=raw, workers=workers, worker_threads=worker_threads)
     precision = inference_dtype(dtype, chosen_device)
     translator = Translator(loaded, options, chosen_device, precision, warn=log)
     out = _text_stdout()
@@ -382,10 +397,15 @@ def parse(
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (as decode), fp32, bf16, fp16."),
     threads: int = typer.Option(0, "--threads", min=0, help="CPU threads (0: all cores)."),
+    workers: int = typer.Option(0, "--workers", min=0, help="Batches searched side by side, "
+                                "sharing the threads (0: one per thread on a CPU, 1 on a GPU)."),
     input_path: str = typer.Option("-", "-i", "--input", help="Read this file, not stdin."),
     constrain: bool = typer.Option(False, "--constrain", help="Constrain the search to "
                                    "well-formed trees over exactly the input's words (not in "
                                    "the paper, which repairs the output afterwards)."),
+    terminals: str = typer.Option("auto", "--terminals", help="How the model spells "
+                                  "terminals: placeholders, words, or auto (from its "
+                                  "vocabulary)."),
 ) -> None:
     """Constituency parsing with the same model (paper §6.3): one tokenized sentence per line in,
     one well-formed bracketed tree per line out, always. `attn parse linearize` makes the
@@ -397,17 +417,25 @@ def parse(
     from .devices import inference_dtype, pick_device
     from .files import open_binary
     from .modelfile import load_model
-    from .parsing import tree_constraint_for, tree_line
+    from .parsing import model_terminals, tree_constraint_for, tree_line
     from .translate import DecodeOptions, Translator, run
+    from .trees import TERMINALS
 
-    _set_threads(threads)
+    if terminals not in ("auto", *TERMINALS):
+        raise AttnError(f"--terminals must be auto, {' or '.join(TERMINALS)}, not {terminals!r}")
+    threads = _set_threads(threads)
     chosen_device = pick_device(device)
+    workers, worker_threads = _search_workers(threads, workers, chosen_device)
     loaded = load_model(model_path, device=chosen_device)
+    if terminals == "auto":
+        terminals = model_terminals(loaded)
     options = DecodeOptions(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
-                            batch_tokens=batch_tokens, buffer_size=buffer_size)
+                            batch_tokens=batch_tokens, buffer_size=buffer_size,
+                            workers=workers, worker_threads=worker_threads)
     precision = inference_dtype(dtype, chosen_device)
+    constraint_for = tree_constraint_for(loaded, terminals) if constrain else None
     translator = Translator(loaded, options, chosen_device, precision, warn=log,
-                            constraint_for=tree_constraint_for(loaded) if constrain else None)
+                            constraint_for=constraint_for)
     out = _text_stdout()
     with open_binary(input_path) as stream:
         stats = run(translator, stream, out, "<stdin>" if input_path == "-" else input_path,
@@ -422,12 +450,19 @@ def parse_linearize(
     treebank: List[str] = typer.Argument(..., metavar="TREEBANK_FILE",
                                          help="Penn Treebank .mrg files (or one-line trees)."),
     prefix: str = typer.Option(..., "-o", "--output", help="Writes PREFIX.src and PREFIX.tgt."),
+    terminals: str = typer.Option("placeholders", "--terminals", help="Terminals of the "
+                                  "linearized trees: placeholders (XX, the paper's setup) or "
+                                  "words (the words themselves; learns faster from small "
+                                  "treebanks)."),
 ) -> None:
     """Treebank files → training pairs: words (PREFIX.src) and linearized trees (PREFIX.tgt),
     after the standard clean-up (no -NONE-, no function tags)."""
     from .parsing import write_training_pairs
+    from .trees import TERMINALS
 
-    written, skipped = write_training_pairs(treebank, prefix)
+    if terminals not in TERMINALS:
+        raise AttnError(f"--terminals must be {' or '.join(TERMINALS)}, not {terminals!r}")
+    written, skipped = write_training_pairs(treebank, prefix, terminals)
     log(f"parse linearize: {written} trees to {prefix}.src and {prefix}.tgt, their brackets "
         f"to {prefix}.symbols"
         + (f" ({skipped} empty after clean-up, skipped)" if skipped else ""))

@@ -7,7 +7,17 @@ from pathlib import Path
 
 from .files import atomic_output
 from .search import Hypothesis
-from .trees import ROOT, Tree, clean, delinearize, linearize, read_treebank
+from .trees import (
+    PLACEHOLDER,
+    ROOT,
+    Tree,
+    clean,
+    delinearize,
+    is_terminal,
+    linearize,
+    read_treebank,
+    terminal_word,
+)
 
 
 def tree_line(translator, line: str, hypotheses: list[Hypothesis]) -> str:
@@ -19,23 +29,41 @@ def tree_line(translator, line: str, hypotheses: list[Hypothesis]) -> str:
     return str(delinearize(sequence, words))
 
 
-def tree_constraint_for(loaded):
-    """A function making the search constraint of `attn parse --constrain` for a batch."""
+def model_terminals(loaded) -> str:
+    """How the parser's training trees spelled their terminals: a model trained on placeholders
+    has the placeholder as one piece of its vocabulary (a bracket symbol of `attn vocab
+    --symbols`); one trained on words does not."""
+    processor = loaded.tgt_vocab.processor
+    placeholder = processor.piece_to_id("\u2581" + PLACEHOLDER)
+    return "placeholders" if placeholder != processor.unk_id() else "words"
+
+
+def tree_constraint_for(loaded, terminals: str):
+    """A function making the search constraint of `attn parse --constrain` for a batch: with
+    placeholder terminals, as many placeholders as words; with word terminals, exactly the
+    input's pieces, in order."""
     from .search import TreeConstraint
 
     processor = loaded.tgt_vocab.processor
     pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
-    classes = TreeConstraint.for_pieces(pieces, loaded.config.eos_id, []).piece_classes
+    placeholder = PLACEHOLDER if terminals == "placeholders" else None
+    classes = TreeConstraint.for_pieces(pieces, loaded.config.eos_id, [],
+                                        placeholder=placeholder).piece_classes
 
     def make(lines: list[str]) -> TreeConstraint:
-        return TreeConstraint(classes, [len(line.split()) for line in lines])
+        if placeholder is not None:
+            return TreeConstraint(classes, [len(line.split()) for line in lines])
+        spelled = [" ".join(terminal_word(word) for word in line.split()) for line in lines]
+        required = loaded.tgt_vocab.encode(spelled)
+        return TreeConstraint(classes, [len(ids) for ids in required], required=required)
     return make
 
 
-def write_training_pairs(treebank_files: list[str], prefix: str) -> tuple[int, int]:
+def write_training_pairs(treebank_files: list[str], prefix: str,
+                         terminals: str = "placeholders") -> tuple[int, int]:
     """PREFIX.src (words), PREFIX.tgt (linearized trees) and PREFIX.symbols (the bracket tokens,
-    for `attn vocab --symbols`) from treebank files. Returns (trees written, trees left empty by
-    the clean-up)."""
+    and the placeholder if there is one, for `attn vocab --symbols`) from treebank files.
+    Returns (trees written, trees left empty by the clean-up)."""
     written = skipped = 0
     symbols: set[str] = set()
     src_path, tgt_path = Path(f"{prefix}.src"), Path(f"{prefix}.tgt")
@@ -45,8 +73,9 @@ def write_training_pairs(treebank_files: list[str], prefix: str) -> tuple[int, i
             if cleaned is None or not cleaned.children:
                 skipped += 1
                 continue
-            sequence = linearize(cleaned)
-            symbols.update(sequence.split())
+            sequence = linearize(cleaned, terminals)
+            symbols.update(token for token in sequence.split()
+                           if terminals == "placeholders" or not is_terminal(token))
             src.write(" ".join(cleaned.words()) + "\n")
             tgt.write(sequence + "\n")
             written += 1

@@ -135,12 +135,21 @@ def normalize_tags(tree: Tree) -> Tree:
 # ------------------------------------------------------------------------------ linearization
 
 
-def linearize(tree: Tree) -> str:
-    """Depth-first brackets with labelled closings and placeholder terminals (the root TOP is
-    left out): (S (NP XX XX )NP (VP XX )VP XX )S."""
+TERMINALS = ("placeholders", "words")
+
+
+def linearize(tree: Tree, terminals: str = "placeholders") -> str:
+    """Depth-first brackets with labelled closings, the root TOP left out. Terminals are
+    placeholders, as in the paper's setup: (S (NP XX XX )NP (VP XX )VP XX )S; or, with
+    terminals="words" (an option, not the paper's), the words themselves (brackets in them
+    escaped): (S (NP The cat )NP (VP sat )VP . )S, which tells the decoder where it is in the
+    sentence instead of leaving it to count placeholders."""
+    if terminals not in TERMINALS:
+        raise ValueError(f"terminals must be one of {TERMINALS}, not {terminals!r}")
+
     def walk(node: Tree) -> Iterator[str]:
         if node.is_preterminal:
-            yield PLACEHOLDER
+            yield PLACEHOLDER if terminals == "placeholders" else terminal_word(node.children[0])
             return
         yield f"({node.label}"
         for child in node.children:
@@ -151,15 +160,27 @@ def linearize(tree: Tree) -> str:
     return " ".join(token for node in top for token in walk(node))
 
 
+def terminal_word(word: str) -> str:
+    """A word as a terminal of a linearized tree: never mistaken for a bracket."""
+    return word.replace("(", "-LRB-").replace(")", "-RRB-")
+
+
+def is_terminal(token: str) -> bool:
+    """Anything but a bracket is a terminal of a linearized tree (a placeholder, a word, or
+    whatever else a model emits where a word goes)."""
+    return not token.startswith(("(", ")"))
+
+
 def delinearize(sequence: str, words: list[str]) -> Tree:
-    """A well-formed tree with exactly `words` as leaves, whatever `sequence` holds: unknown
-    tokens and unmatched closings are dropped, open brackets are closed, missing placeholders are
-    added at the end and surplus ones dropped, empty constituents removed."""
+    """A well-formed tree with exactly `words` as leaves, whatever `sequence` holds: each
+    terminal token (placeholder or word) takes the next input word, unmatched closings and bare
+    brackets are dropped, open brackets are closed, missing terminals are added at the end and
+    surplus ones dropped, empty constituents removed."""
     root = Tree(ROOT, [])
     stack = [root]
     used = 0
     for token in sequence.split():
-        if token == PLACEHOLDER:
+        if is_terminal(token):
             if used < len(words):
                 stack[-1].children.append(Tree(PLACEHOLDER, [words[used]]))
                 used += 1

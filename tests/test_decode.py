@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from attn_cli.config import PRESETS
-from attn_cli.model import DecoderCache, Transformer
+from attn_cli.model import DecoderCache, Transformer, grow_cache
 from attn_cli.search import (
     Hypothesis,
     beam_search,
     can_stop,
     length_penalty,
     max_output_length,
+    topk_blocked,
     topk_over_beams,
 )
 
@@ -42,18 +43,35 @@ def test_max_output_length_is_input_plus_50():
 def test_topk_over_beams_picks_across_beams():
     scores = torch.tensor([[0.0, -1.0]])
     log_probs = torch.log(torch.tensor([[[0.5, 0.3, 0.2], [0.9, 0.05, 0.05]]]))
-    best, origin, token = topk_over_beams(scores, log_probs, torch.zeros(1, 2, 1), 3)
+    best, origin, token = topk_over_beams(scores, log_probs, 3)
     assert origin.tolist() == [[0, 1, 0]] and token.tolist() == [[0, 0, 1]]
     assert best[0, 1].item() == pytest.approx(-1.0 + math.log(0.9))
 
 
+@pytest.mark.parametrize("size", [8000, 8003, 300, 40])
+def test_topk_blocked_equals_topk(size):
+    generator = torch.Generator().manual_seed(size)
+    values = torch.randn(5, 4, size, generator=generator)
+    values[0, 0, :size // 2] = -math.inf  # masked vocabulary, as constraints and bans make
+    values[1, 1, 7] = 100.0  # one outlier block
+    for k in (1, 2, 8):
+        top, index = topk_blocked(values, k)
+        expected = values.topk(k, dim=-1)
+        assert torch.equal(top, expected.values)
+        assert torch.equal(values.gather(-1, index), top)
+
+
 def test_can_stop_only_when_no_live_hypothesis_can_win():
-    finished = [Hypothesis([1], -2.0, -2.0), Hypothesis([2], -3.0, -3.0)]
-    # Best live log-prob -1.0: over the longest penalty (lp(10) = 2.5^0.6) it could still reach
-    # -0.58 > -3.0, so not yet.
-    assert not can_stop(finished, -1.0, beam=2, longest=10, alpha=0.6)
-    assert can_stop(finished, -10.0, beam=2, longest=10, alpha=0.6)
-    assert not can_stop(finished[:1], -10.0, beam=2, longest=10, alpha=0.6)  # not enough yet
+    # The n-th best finished score is -2.0. A live log-prob of -1.0 over the longest penalty
+    # (lp(10) = 2.5^0.6 = 1.73) could still reach -0.58 > -2.0: not yet; -10.0 reaches -5.8 at
+    # best: stop. With fewer than n finished the threshold is -inf: never.
+    longest = torch.tensor([10, 10, 10])
+    kth_best = torch.tensor([-2.0, -2.0, -math.inf])
+    live = torch.tensor([-1.0, -10.0, -10.0])
+    assert can_stop(kth_best, live, longest, alpha=0.6).tolist() == [False, True, False]
+    # -10 / 1.73 = -5.78: it could still beat -6.0, not -5.5
+    assert can_stop(torch.tensor([-6.0, -5.5]), torch.tensor([-10.0, -10.0]),
+                    torch.tensor([10, 10]), alpha=0.6).tolist() == [False, True]
 
 
 # ---------------------------------------------------------------- a model with set probabilities
@@ -86,7 +104,8 @@ class ToyModel:
                             self_kv=((torch.zeros(batch, 1, 0, 1), torch.zeros(batch, 1, 0, 1)),))
 
     def decode_step(self, tokens, cache):
-        history = torch.cat([cache.self_kv[0][0], tokens.float().view(-1, 1, 1, 1)], dim=2)
+        history = grow_cache(cache.self_kv[0][0], tokens.float().view(-1, 1, 1, 1),
+                             cache.self_rows)
         logits = torch.full((tokens.shape[0], 6), -1e9)
         for row in range(tokens.shape[0]):
             prefix = tuple(int(t) for t in history[row, 0, 1:, 0].tolist())
@@ -146,6 +165,27 @@ def test_beam_search_matches_exhaustive_search(seed):
     assert found.score == pytest.approx(score, abs=1e-5)
 
 
+def test_beam_of_one_is_greedy_decoding():
+    """Beam 1 takes the most probable token each step and stops at the first EOS (whatever
+    the length penalty), as tensor2tensor's greedy decoding does."""
+    model = random_model(vocab=12, seed=6)
+    config = model.config
+    for source in ([4, 5, 6, 3], [7, 3], [8, 9, 10, 11, 4, 3]):
+        src = torch.tensor([source])
+        expected = []
+        with torch.no_grad():
+            while len(expected) < 20:
+                logits = model(src, torch.tensor([[config.bos_id, *expected]]))[0, -1]
+                logits[[config.pad_id, config.bos_id]] = -math.inf
+                token = int(logits.argmax())
+                if token == config.eos_id:
+                    break
+                expected.append(token)
+        for alpha in (0.0, 0.6, 2.0):
+            found = beam_search(model, src, beam=1, alpha=alpha, max_len_a=0, max_len_b=21)
+            assert found[0][0].tokens == expected
+
+
 def test_batched_decoding_equals_one_by_one():
     model = random_model(vocab=30, seed=3)
     sentences = [[5, 9, 3], [7, 8, 9, 10, 11, 12, 3], [20, 3], [4, 4, 4, 4, 3]]
@@ -159,6 +199,25 @@ def test_batched_decoding_equals_one_by_one():
             assert [h.tokens for h in together[row]] == [h.tokens for h in alone]
             for a, b in zip(together[row], alone):
                 assert a.score == pytest.approx(b.score, abs=1e-4)
+
+
+@pytest.mark.parametrize("beam,nbest", [(1, 1), (4, 1), (4, 4), (5, 2)])
+def test_early_stopping_changes_nothing(beam, nbest):
+    """Stopping a sentence once no live hypothesis can beat its n-th best finished one returns
+    exactly what running every sentence to its length limit returns."""
+    model = random_model(vocab=40, seed=5)
+    generator = torch.Generator().manual_seed(9)
+    sentences = [torch.randint(4, 40, (n,), generator=generator).tolist() + [3]
+                 for n in (3, 9, 1, 6, 12, 4)]
+    width = max(map(len, sentences))
+    batch = torch.tensor([s + [0] * (width - len(s)) for s in sentences])
+    for alpha in (0.0, 0.6, 1.0):
+        early = beam_search(model, batch, beam=beam, alpha=alpha, nbest=nbest, max_len_b=10)
+        full = beam_search(model, batch, beam=beam, alpha=alpha, nbest=nbest, max_len_b=10,
+                           stop_early=False)
+        for found, expected in zip(early, full):
+            assert [h.tokens for h in found] == [h.tokens for h in expected]
+            assert [h.score for h in found] == pytest.approx([h.score for h in expected])
 
 
 def test_nbest_is_sorted_and_distinct():
@@ -211,6 +270,21 @@ def test_decode_keeps_one_line_per_line_in_order(trained, corpus):
     alone = run_attn("decode", "-m", model, "--beam", "2", "--max-len-b", "5", "--dtype", "fp32",
                      stdin=lines[3] + "\n")
     assert alone.stdout == out[3] + "\n"
+
+
+def test_decode_batches_searched_side_by_side_change_nothing(trained, corpus):
+    """Worker threads searching several batches at once (small batches: many of them) give
+    the output of one batch at a time, and of one line at a time."""
+    model, _ = trained
+    stdin = corpus["val.en"].read_text(encoding="utf-8")
+    common = ["decode", "-m", model, "--beam", "3", "--max-len-b", "6", "--dtype", "fp32"]
+    parallel = run_attn(*common, "--workers", "3", "--threads", "3", "--batch-tokens", "60",
+                        stdin=stdin)
+    serial = run_attn(*common, "--workers", "1", stdin=stdin)
+    alone = run_attn(*common, "--buffer-size", "1", stdin=stdin)
+    assert parallel.returncode == serial.returncode == alone.returncode == 0, parallel.stderr
+    assert parallel.stdout.count("\n") == stdin.count("\n")
+    assert parallel.stdout == serial.stdout == alone.stdout
 
 
 def test_decode_nbest_format(trained):

@@ -119,10 +119,33 @@ def test_cache_reorder_selects_rows():
         cache = model.start_decoding(memory, src_mask)
         for position in range(2):
             _, cache = model.decode_step(tgt[:, position], cache)
-        swapped = cache.reorder(torch.tensor([1, 0, 0]))
+        swapped = cache.reorder(torch.tensor([1, 0, 0]), sources=torch.tensor([1, 0, 0]))
         logits, _ = model.decode_step(tgt[[1, 0, 0], 2], swapped)
         full = model(src, tgt)
     torch.testing.assert_close(logits, full[[1, 0, 0], 2], atol=1e-5, rtol=1e-5)
+
+
+def test_hypotheses_grouped_by_source_share_its_memory():
+    """Beam search keeps G hypotheses per source sentence: the cache holds each source's
+    encoder keys/values once, and every row attends to its own source."""
+    model = Transformer(tiny_config()).eval()
+    src, tgt = random_tokens(2, 5), random_tokens(2, 4)
+    src[0, 3:] = 0
+    with torch.no_grad():
+        memory, src_mask = model.encode(src)
+        cache = model.start_decoding(memory, src_mask)
+        _, cache = model.decode_step(tgt[:, 0], cache)
+        # three hypotheses per source; source 1's rows first continue row 1, then source 0's
+        cache = cache.reorder(torch.tensor([1, 1, 1, 0, 0, 0]), sources=torch.tensor([1, 0]))
+        assert cache.memory_kv[0][0].shape[0] == 2
+        logits, cache = model.decode_step(tgt[[1, 1, 1, 0, 0, 0], 1], cache)
+        # beams permuted within their source: the memory stays, only self-attention rows move
+        permuted = cache.reorder(torch.tensor([2, 0, 1, 5, 3, 4]))
+        assert permuted.memory_kv is cache.memory_kv
+        later, _ = model.decode_step(tgt[[1, 1, 1, 0, 0, 0], 2], permuted)
+        full = model(src, tgt)
+    torch.testing.assert_close(logits, full[[1, 1, 1, 0, 0, 0], 1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(later, full[[1, 1, 1, 0, 0, 0], 2], atol=1e-5, rtol=1e-5)
 
 
 def test_dropout_only_in_training():
@@ -178,3 +201,22 @@ def test_table3_rows_change_only_what_the_table_says():
     assert PRESETS["base-D3"].label_smoothing == 0.0 and PRESETS["base-D3"].dropout == 0.1
     assert PRESETS["big"].dropout == 0.3 and PRESETS["big"].d_model == 1024
     assert PRESETS["parse-wsj"].encoder_layers == 4 and PRESETS["parse-wsj"].d_model == 1024
+
+
+def test_packed_weights_for_cpu_inference_compute_the_same():
+    """Decoding on a CPU swaps the linear layers for oneDNN's packed ones: same logits, and
+    each row's result independent of the batch it is in."""
+    from attn_cli.devices import pack_for_cpu_inference, packed_linear_works
+
+    if not packed_linear_works():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    model = Transformer(tiny_config()).eval()
+    src, tgt = random_tokens(5, 7), random_tokens(5, 6)
+    with torch.no_grad():
+        expected = model(src, tgt)
+        pack_for_cpu_inference(model)
+        packed = model(src, tgt)
+        alone = model(src[2:3], tgt[2:3])
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    torch.testing.assert_close(packed, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(alone[0], packed[2])
