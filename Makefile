@@ -21,7 +21,7 @@ demo: install
 	PATH="$(abspath $(BIN)):$$PATH" $(MAKE) -C examples/multi30k
 
 test: install
-	$(BIN)/python -m pytest -q
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q
 
 completions: install
 	$(BIN)/python completions/generate.py

@@ -454,6 +454,9 @@ def parse_linearize(
                                   "linearized trees: placeholders (XX, the paper's setup) or "
                                   "words (the words themselves; learns faster from small "
                                   "treebanks)."),
+    subtrees: bool = typer.Option(False, "--subtrees", help="Also write every constituent of "
+                                  "two words or more as a training pair of its own (not in the "
+                                  "paper: more, shorter examples for a small treebank)."),
 ) -> None:
     """Treebank files → training pairs: words (PREFIX.src) and linearized trees (PREFIX.tgt),
     after the standard clean-up (no -NONE-, no function tags)."""
@@ -462,9 +465,10 @@ def parse_linearize(
 
     if terminals not in TERMINALS:
         raise AttnError(f"--terminals must be {' or '.join(TERMINALS)}, not {terminals!r}")
-    written, skipped = write_training_pairs(treebank, prefix, terminals)
+    written, skipped, extra = write_training_pairs(treebank, prefix, terminals, subtrees)
     log(f"parse linearize: {written} trees to {prefix}.src and {prefix}.tgt, their brackets "
         f"to {prefix}.symbols"
+        + (f", and {extra} constituents" if subtrees else "")
         + (f" ({skipped} empty after clean-up, skipped)" if skipped else ""))
 
 

@@ -47,25 +47,29 @@ def tree_constraint_for(loaded, terminals: str):
     processor = loaded.tgt_vocab.processor
     pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
     placeholder = PLACEHOLDER if terminals == "placeholders" else None
-    classes = TreeConstraint.for_pieces(pieces, loaded.config.eos_id, [],
-                                        placeholder=placeholder).piece_classes
+    template = TreeConstraint.for_pieces(pieces, loaded.config.eos_id, [],
+                                         placeholder=placeholder)
 
     def make(lines: list[str]) -> TreeConstraint:
         if placeholder is not None:
-            return TreeConstraint(classes, [len(line.split()) for line in lines])
+            return template.for_batch([len(line.split()) for line in lines])
         spelled = [" ".join(terminal_word(word) for word in line.split()) for line in lines]
         required = loaded.tgt_vocab.encode(spelled)
-        return TreeConstraint(classes, [len(ids) for ids in required], required=required)
+        return template.for_batch([len(ids) for ids in required], required)
     return make
 
 
 def write_training_pairs(treebank_files: list[str], prefix: str,
-                         terminals: str = "placeholders") -> tuple[int, int]:
+                         terminals: str = "placeholders",
+                         subtrees: bool = False) -> tuple[int, int, int]:
     """PREFIX.src (words), PREFIX.tgt (linearized trees) and PREFIX.symbols (the bracket tokens,
     and the placeholder if there is one, for `attn vocab --symbols`) from treebank files.
-    Returns (trees written, trees left empty by the clean-up)."""
-    written = skipped = 0
+    `subtrees`: after each tree, every constituent of two words or more below its top one, as a
+    pair of its own (once per distinct pair). Returns (trees written, trees left empty by the
+    clean-up, constituent pairs written)."""
+    written = skipped = extra = 0
     symbols: set[str] = set()
+    seen: set[str] = set()
     src_path, tgt_path = Path(f"{prefix}.src"), Path(f"{prefix}.tgt")
     with atomic_output(src_path, "w") as src, atomic_output(tgt_path, "w") as tgt:
         for tree in read_treebank(treebank_files):
@@ -79,6 +83,27 @@ def write_training_pairs(treebank_files: list[str], prefix: str,
             src.write(" ".join(cleaned.words()) + "\n")
             tgt.write(sequence + "\n")
             written += 1
+            for constituent in _constituents(cleaned) if subtrees else ():
+                words = " ".join(constituent.words())
+                pair = f"{words}\t{linearize(constituent, terminals)}"
+                if len(constituent.words()) > 1 and pair not in seen:
+                    seen.add(pair)
+                    src.write(words + "\n")
+                    tgt.write(pair.split("\t", 1)[1] + "\n")
+                    extra += 1
     with atomic_output(f"{prefix}.symbols", "w") as listing:
         listing.writelines(f"{symbol}\n" for symbol in sorted(symbols))
-    return written, skipped
+    return written, skipped, extra
+
+
+def _constituents(tree: Tree):
+    """Every phrase below the top one of a cleaned tree (TOP → S → these), depth first."""
+    tops = tree.children if tree.label == ROOT else [tree]
+    for top in tops:
+        stack = [child for child in reversed(top.children) if isinstance(child, Tree)]
+        while stack:
+            node = stack.pop()
+            if not node.is_preterminal:
+                yield node
+                stack.extend(child for child in reversed(node.children)
+                             if isinstance(child, Tree))

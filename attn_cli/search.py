@@ -185,22 +185,33 @@ def beam_search(model, src_tokens: Tensor, beam: int = 4, alpha: float = 0.6,
 class TreeConstraint:
     """Search constraint for linearized trees (an option of `attn parse`, not in the paper):
     exactly one terminal per word (per piece of the sentence, in order, when the terminals are
-    the words themselves), closing brackets only inside an open one, EOS only when every
-    terminal is placed and every bracket closed, nothing but brackets and terminals. The state
-    per hypothesis is (terminals emitted, open brackets)."""
+    the words themselves, and brackets only between words, never inside one), closing brackets
+    only inside an open one and never right after it (no empty constituent), EOS only when
+    every terminal is placed and every bracket closed, nothing but brackets and terminals. The
+    state per hypothesis is (terminals emitted, open brackets, opening brackets in a row)."""
 
     NEVER, TERMINAL, OPEN, CLOSE, END = range(5)
+    # Opening brackets in a row (a unary chain and the phrases it starts): at most 6 in the
+    # Penn Treebank sample; the bound keeps a search from stalling on brackets alone.
+    MAX_OPEN_RUN = 8
 
     def __init__(self, piece_classes: Tensor, word_counts: list[int],
-                 required: list[list[int]] | None = None):
+                 required: list[list[int]] | None = None,
+                 piece_starts_word: Tensor | None = None):
         self.piece_classes = piece_classes  # (V,) long: the class of every vocabulary piece
+        self.piece_starts_word = piece_starts_word  # (V,) bool: the piece begins a word
         self.word_counts = word_counts  # terminals per sentence of the batch
         self.required = None  # (B, longest + 1): each sentence's terminal pieces, padded
+        self.boundary = None  # (B, longest + 1): a bracket may come before that piece
         if required is not None:
-            self.required = torch.zeros(len(required), max(map(len, required), default=0) + 1,
-                                        dtype=torch.long)
+            width = max(map(len, required), default=0) + 1
+            self.required = torch.zeros(len(required), width, dtype=torch.long)
+            self.boundary = torch.ones(len(required), width, dtype=torch.bool)
             for row, ids in enumerate(required):
                 self.required[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+                if piece_starts_word is not None:
+                    self.boundary[row, :len(ids)] = piece_starts_word[self.required[row,
+                                                                                   :len(ids)]]
 
     @classmethod
     def for_pieces(cls, pieces: list[str], eos_id: int, word_counts: list[int],
@@ -220,30 +231,43 @@ class TreeConstraint:
             else:
                 classes.append(cls.NEVER)
         classes[eos_id] = cls.END
-        return cls(torch.tensor(classes), word_counts, required)
+        starts_word = torch.tensor([piece.startswith("\u2581") for piece in pieces])
+        return cls(torch.tensor(classes), word_counts, required, starts_word)
 
-    def start(self, batch: int, beam: int, device) -> tuple[Tensor, Tensor]:
+    def for_batch(self, word_counts: list[int],
+                  required: list[list[int]] | None = None) -> "TreeConstraint":
+        """The same vocabulary's constraint for another batch of sentences."""
+        return TreeConstraint(self.piece_classes, word_counts, required, self.piece_starts_word)
+
+    def start(self, batch: int, beam: int, device) -> tuple[Tensor, Tensor, Tensor]:
         self.piece_classes = self.piece_classes.to(device)
         self.word_count_of = torch.tensor(self.word_counts, dtype=torch.long, device=device)
         if self.required is not None:
             self.required = self.required.to(device)
+            self.boundary = self.boundary.to(device)
         zeros = torch.zeros(batch, beam, dtype=torch.long, device=device)
-        return zeros, zeros.clone()
+        return zeros, zeros.clone(), zeros.clone()
 
-    def allowed(self, state: tuple[Tensor, Tensor], active: Tensor,
+    def allowed(self, state: tuple[Tensor, Tensor, Tensor], active: Tensor,
                 steps_left: Tensor) -> Tensor:
         """(B', K, V) True where a token may come next. `active` (B'): the sentence of each
         row; `steps_left` (B',): the tokens that may still follow this one; every choice must
         leave room to place the missing terminals, close the open brackets and end."""
-        placed, depth = state  # (B', K)
+        placed, depth, opened = state  # (B', K); opened: opening brackets since the last token
         words = self.word_count_of[active].unsqueeze(-1)
         missing = words - placed
         room = steps_left.unsqueeze(-1)
+        between_words = True
+        if self.required is not None:  # within a word of several pieces: no bracket
+            between_words = self.boundary[active].gather(1, placed.clamp(
+                max=self.boundary.shape[1] - 1))  # (B', K)
         by_class = torch.stack([
             torch.zeros_like(depth, dtype=torch.bool),  # anything else: never
             (missing > 0) & (missing + depth <= room),  # a terminal
-            (missing > 0) & (missing + depth + 2 <= room),  # an opening bracket
-            (depth > 0) & (missing + depth <= room),  # a closing bracket
+            (missing > 0) & (missing + depth + 2 <= room) & between_words
+            & (opened < self.MAX_OPEN_RUN),  # an opening bracket
+            # a closing one, never right after an opening one: no empty constituent
+            (depth > 0) & (missing + depth <= room) & between_words & (opened == 0),
             (missing <= 0) & (depth == 0),  # the end
         ], dim=-1)  # (B', K, classes)
         stuck = ~by_class.any(dim=-1, keepdim=True)  # out of room: let the repair cope
@@ -258,10 +282,12 @@ class TreeConstraint:
                              by_class[..., self.TERMINAL].unsqueeze(-1))
         return allowed
 
-    def advance(self, state: tuple[Tensor, Tensor], origin: Tensor,
-                tokens: Tensor) -> tuple[Tensor, Tensor]:
+    def advance(self, state: tuple[Tensor, Tensor, Tensor], origin: Tensor,
+                tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The state of every candidate: its parent beam's, plus the token it adds."""
-        placed, depth = (part.gather(1, origin) for part in state)
+        placed, depth, opened = (part.gather(1, origin) for part in state)
         kind = self.piece_classes[tokens]
+        opening = kind == self.OPEN
         return (placed + (kind == self.TERMINAL).long(),
-                depth + (kind == self.OPEN).long() - (kind == self.CLOSE).long())
+                depth + opening.long() - (kind == self.CLOSE).long(),
+                torch.where(opening, opened + 1, 0))

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
@@ -29,8 +30,10 @@ def test_version():
 
 
 def test_console_script_is_installed():
-    attn = shutil.which("attn")
-    assert attn, "the `attn` console script is not on PATH"
+    # pip puts console scripts next to the interpreter it installs for; the PATH need not have it.
+    scripts = sysconfig.get_path("scripts")
+    attn = shutil.which("attn", path=scripts)
+    assert attn, f"the `attn` console script is not installed in {scripts}"
     result = subprocess.run([attn, "--version"], capture_output=True, text=True)
     assert result.stdout.strip() == f"attn {__version__}"
 

@@ -405,3 +405,5 @@ def test_tree_constraint_gives_balanced_trees_with_the_word_count():
                 depth += token.startswith("\u2581(") - token.startswith("\u2581)")
                 assert depth >= 0
             assert depth == 0
+            text = " ".join(tokens)
+            assert not any(f"\u2581({label} \u2581){label}" in text for label in ("S", "NP"))
