@@ -15,18 +15,20 @@ from .trees import (
     delinearize,
     is_terminal,
     linearize,
+    merge_unary_repeats,
     read_treebank,
     terminal_word,
 )
 
 
 def tree_line(translator, line: str, hypotheses: list[Hypothesis]) -> str:
-    """The best hypothesis as a tree over the input's words, repaired if need be."""
+    """The best hypothesis as a tree over the input's words, repaired if need be, with repeated
+    unary brackets merged."""
     words = line.split()
     if not words:
         return str(Tree(ROOT, []))
     sequence = translator.detokenize(hypotheses[:1])[0]
-    return str(delinearize(sequence, words))
+    return str(merge_unary_repeats(delinearize(sequence, words)))
 
 
 def model_terminals(loaded) -> str:

@@ -205,6 +205,20 @@ def _prune_empty(tree: Tree) -> Tree | None:
     return Tree(tree.label, children) if children else None
 
 
+def merge_unary_repeats(tree: Tree) -> Tree:
+    """(X (X ...)) → (X ...): a constituent whose only child is a constituent of the same label
+    over the same words is one bracket. A parser that loses its place repeats such brackets (each
+    a false positive for EVALB); cleaned gold trees almost never hold one (160 of 67,285
+    constituents in the sample's training part)."""
+    if tree.is_preterminal:
+        return tree
+    children = [merge_unary_repeats(c) if isinstance(c, Tree) else c for c in tree.children]
+    while (len(children) == 1 and isinstance(children[0], Tree)
+           and not children[0].is_preterminal and children[0].label == tree.label):
+        children = children[0].children
+    return Tree(tree.label, children)
+
+
 # ------------------------------------------------------------------------------------- EVALB
 
 

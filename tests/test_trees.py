@@ -13,6 +13,7 @@ from attn_cli.trees import (
     delinearize,
     evalb_sentence,
     linearize,
+    merge_unary_repeats,
     normalize_tags,
     read_trees,
 )
@@ -83,6 +84,16 @@ def test_linearization_round_trip():
 ])
 def test_repair(sequence, expected):
     assert str(delinearize(sequence, ["a", "b", "c"])) == expected
+
+
+@pytest.mark.parametrize("tree,expected", [
+    ("(TOP (S (NP (NP (NP (XX a)))) (VP (XX b))))", "(TOP (S (NP (XX a)) (VP (XX b))))"),
+    ("(TOP (NP (NP (XX a) (XX b)) (PP (XX c))))", "(TOP (NP (NP (XX a) (XX b)) (PP (XX c))))"),
+    ("(TOP (S (VP (VP (S (S (XX a) (XX b)))))))", "(TOP (S (VP (S (XX a) (XX b)))))"),
+    ("(TOP (NP (XX a)))", "(TOP (NP (XX a)))"),
+])
+def test_merge_unary_repeats_keeps_one_bracket_per_label_and_span(tree, expected):
+    assert str(merge_unary_repeats(next(read_trees(tree)))) == expected
 
 
 def test_random_bracket_soup_always_gives_a_valid_tree():
