@@ -71,7 +71,7 @@ def write_training_pairs(treebank_files: list[str], prefix: str,
     clean-up, constituent pairs written)."""
     written = skipped = extra = 0
     symbols: set[str] = set()
-    seen: set[str] = set()
+    seen: set[tuple[str, str]] = set()
     src_path, tgt_path = Path(f"{prefix}.src"), Path(f"{prefix}.tgt")
     with atomic_output(src_path, "w") as src, atomic_output(tgt_path, "w") as tgt:
         for tree in read_treebank(treebank_files):
@@ -86,12 +86,12 @@ def write_training_pairs(treebank_files: list[str], prefix: str,
             tgt.write(sequence + "\n")
             written += 1
             for constituent in _constituents(cleaned) if subtrees else ():
-                words = " ".join(constituent.words())
-                pair = f"{words}\t{linearize(constituent, terminals)}"
-                if len(constituent.words()) > 1 and pair not in seen:
+                words = constituent.words()
+                pair = (" ".join(words), linearize(constituent, terminals))
+                if len(words) > 1 and pair not in seen:
                     seen.add(pair)
-                    src.write(words + "\n")
-                    tgt.write(pair.split("\t", 1)[1] + "\n")
+                    src.write(pair[0] + "\n")
+                    tgt.write(pair[1] + "\n")
                     extra += 1
     with atomic_output(f"{prefix}.symbols", "w") as listing:
         listing.writelines(f"{symbol}\n" for symbol in sorted(symbols))

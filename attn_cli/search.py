@@ -208,10 +208,10 @@ class TreeConstraint:
             self.required = torch.zeros(len(required), width, dtype=torch.long)
             self.boundary = torch.ones(len(required), width, dtype=torch.bool)
             for row, ids in enumerate(required):
-                self.required[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+                pieces = torch.tensor(ids, dtype=torch.long)
+                self.required[row, :len(ids)] = pieces
                 if piece_starts_word is not None:
-                    self.boundary[row, :len(ids)] = piece_starts_word[self.required[row,
-                                                                                   :len(ids)]]
+                    self.boundary[row, :len(ids)] = piece_starts_word[pieces]
 
     @classmethod
     def for_pieces(cls, pieces: list[str], eos_id: int, word_counts: list[int],
