@@ -490,12 +490,14 @@ def _train(options: TrainOptions, processes: Processes) -> Path | None:
                        "elapsed_s": elapsed_before + time.monotonic() - started}
                 if save_votes and valid is not None:
                     row.update(evaluate(trained, valid, plan.max_tokens, epsilon, processes, dtype))
+                # The row goes to disk before the checkpoint: a run killed between the two
+                # resumes from the previous checkpoint and rewrites this row, never loses it.
+                _write_metrics(run_dir, row, processes)
                 if save_votes:
                     last_checkpoint = _save(run_dir, step, model, optimizer, stream, scaler,
                                             elapsed_before + time.monotonic() - started,
                                             recipe, data, options, processes)
                     last_save_time, last_save_step = time.monotonic(), step
-                _write_metrics(run_dir, row, processes)
                 progress.log(row)
                 window = {"loss": 0.0, "nll": 0.0, "tgt": 0, "src": 0,
                           "start": time.monotonic()}
@@ -509,10 +511,11 @@ def _train(options: TrainOptions, processes: Processes) -> Path | None:
         row = {"step": step, "elapsed_s": elapsed_before + time.monotonic() - started}
         if valid is not None:
             row.update(evaluate(trained, valid, plan.max_tokens, epsilon, processes, dtype))
+        if len(row) > 2:
+            _write_metrics(run_dir, row, processes)
         last_checkpoint = _save(run_dir, step, model, optimizer, stream, scaler,
                                 row["elapsed_s"], recipe, data, options, processes)
         if len(row) > 2:
-            _write_metrics(run_dir, row, processes)
             progress.log(row)
     _log(processes, f"{stop_reason}; last checkpoint {last_checkpoint}")
     return last_checkpoint if processes.is_main else None

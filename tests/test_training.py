@@ -215,6 +215,31 @@ def test_kill_and_resume_reaches_the_same_parameters(data_files, tmp_path):
     assert [row["step"] for row in rows if "loss" in row] == list(range(1, 25))
 
 
+def test_a_steps_metrics_row_is_on_disk_before_its_checkpoint(data_files, tmp_path,
+                                                              monkeypatch):
+    """A kill between the two writes must not lose the row: the checkpoint marks the step done,
+    and a resumed run only rewrites rows after its checkpoint."""
+    import json
+
+    from attn_cli import training
+
+    run_dir = tmp_path / "run"
+    saved_steps = []
+    save = training._save
+
+    def checking_save(run_dir_, step, *args, **kwargs):
+        rows = (run_dir_ / "metrics.jsonl").read_text().splitlines()
+        assert json.loads(rows[-1])["step"] == step
+        saved_steps.append(step)
+        return save(run_dir_, step, *args, **kwargs)
+
+    monkeypatch.setattr(training, "_save", checking_save)
+    training.train(training.TrainOptions(
+        data=data_files[0], output=run_dir, valid=data_files[1], preset="tiny", max_steps=6,
+        save_every="3", log_every=100, device="cpu"))
+    assert saved_steps == [3, 6]
+
+
 def test_sigterm_finishes_the_step_saves_and_exits_zero(data_files, tmp_path):
     run_dir = tmp_path / "run"
     process = subprocess.Popen([sys.executable, "-m", "attn_cli",
