@@ -406,6 +406,10 @@ def parse(
     terminals: str = typer.Option("auto", "--terminals", help="How the model spells "
                                   "terminals: placeholders, words, or auto (from its "
                                   "vocabulary)."),
+    score_words: str = typer.Option("given", "--score-words", help="With --constrain and word "
+                                    "terminals: given (a word scores the model's probability "
+                                    "of any word there: only the brackets are searched) or "
+                                    "joint (the probability of the input's own pieces)."),
 ) -> None:
     """Constituency parsing with the same model (paper §6.3): one tokenized sentence per line in,
     one well-formed bracketed tree per line out, always. `attn parse linearize` makes the
@@ -423,6 +427,8 @@ def parse(
 
     if terminals not in ("auto", *TERMINALS):
         raise AttnError(f"--terminals must be auto, {' or '.join(TERMINALS)}, not {terminals!r}")
+    if score_words not in ("given", "joint"):
+        raise AttnError(f"--score-words must be given or joint, not {score_words!r}")
     threads = _set_threads(threads)
     chosen_device = pick_device(device)
     workers, worker_threads = _search_workers(threads, workers, chosen_device)
@@ -433,7 +439,7 @@ def parse(
                             batch_tokens=batch_tokens, buffer_size=buffer_size,
                             workers=workers, worker_threads=worker_threads)
     precision = inference_dtype(dtype, chosen_device)
-    constraint_for = tree_constraint_for(loaded, terminals) if constrain else None
+    constraint_for = tree_constraint_for(loaded, terminals, score_words) if constrain else None
     translator = Translator(loaded, options, chosen_device, precision, warn=log,
                             constraint_for=constraint_for)
     out = _text_stdout()

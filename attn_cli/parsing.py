@@ -40,17 +40,17 @@ def model_terminals(loaded) -> str:
     return "placeholders" if placeholder != processor.unk_id() else "words"
 
 
-def tree_constraint_for(loaded, terminals: str):
+def tree_constraint_for(loaded, terminals: str, score_words: str = "given"):
     """A function making the search constraint of `attn parse --constrain` for a batch: with
     placeholder terminals, as many placeholders as words; with word terminals, exactly the
-    input's pieces, in order."""
+    input's pieces, in order, scored as `score_words` says (see `TreeConstraint`)."""
     from .search import TreeConstraint
 
     processor = loaded.tgt_vocab.processor
     pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
     placeholder = PLACEHOLDER if terminals == "placeholders" else None
     template = TreeConstraint.for_pieces(pieces, loaded.config.eos_id, [],
-                                         placeholder=placeholder)
+                                         placeholder=placeholder, score_words=score_words)
 
     def make(lines: list[str]) -> TreeConstraint:
         if placeholder is not None:

@@ -125,6 +125,7 @@ def beam_search(model, src_tokens: Tensor, beam: int = 4, alpha: float = 0.6,
         log_probs[..., banned] = -math.inf  # never chosen, but not renormalised away
         at_limit = limit_of[active] <= step + 1  # (B',): the last allowed position
         if constraint is not None:
+            log_probs = constraint.rescore(log_probs, state, active)
             allowed = constraint.allowed(state, active, limit_of[active] - step - 1)
             log_probs.masked_fill_(~(allowed | at_limit.view(-1, 1, 1)), -math.inf)
         if at_limit.any():  # only EOS
@@ -197,9 +198,15 @@ class TreeConstraint:
 
     def __init__(self, piece_classes: Tensor, word_counts: list[int],
                  required: list[list[int]] | None = None,
-                 piece_starts_word: Tensor | None = None):
+                 piece_starts_word: Tensor | None = None, score_words: str = "given"):
         self.piece_classes = piece_classes  # (V,) long: the class of every vocabulary piece
         self.piece_starts_word = piece_starts_word  # (V,) bool: the piece begins a word
+        # With word terminals the input fixes the words; only the brackets are to be found.
+        # "given" scores a word by the model's probability of *a* word at that point (a word's
+        # first piece: the mass of every word-starting piece; its other pieces: 1), so a model
+        # unsure *which* word comes next is not pushed into brackets it does not believe in.
+        # "joint" scores the input's own pieces, p(tree and words).
+        self.score_words = score_words
         self.word_counts = word_counts  # terminals per sentence of the batch
         self.required = None  # (B, longest + 1): each sentence's terminal pieces, padded
         self.boundary = None  # (B, longest + 1): a bracket may come before that piece
@@ -215,8 +222,8 @@ class TreeConstraint:
 
     @classmethod
     def for_pieces(cls, pieces: list[str], eos_id: int, word_counts: list[int],
-                   placeholder: str | None = "XX",
-                   required: list[list[int]] | None = None) -> "TreeConstraint":
+                   placeholder: str | None = "XX", required: list[list[int]] | None = None,
+                   score_words: str = "given") -> "TreeConstraint":
         """Classes from the pieces' spelling. `placeholder` None: the terminals are words, and
         every piece that is not a bracket may be one."""
         classes = []
@@ -232,12 +239,13 @@ class TreeConstraint:
                 classes.append(cls.NEVER)
         classes[eos_id] = cls.END
         starts_word = torch.tensor([piece.startswith("\u2581") for piece in pieces])
-        return cls(torch.tensor(classes), word_counts, required, starts_word)
+        return cls(torch.tensor(classes), word_counts, required, starts_word, score_words)
 
     def for_batch(self, word_counts: list[int],
                   required: list[list[int]] | None = None) -> "TreeConstraint":
         """The same vocabulary's constraint for another batch of sentences."""
-        return TreeConstraint(self.piece_classes, word_counts, required, self.piece_starts_word)
+        return TreeConstraint(self.piece_classes, word_counts, required, self.piece_starts_word,
+                              self.score_words)
 
     def start(self, batch: int, beam: int, device) -> tuple[Tensor, Tensor, Tensor]:
         self.piece_classes = self.piece_classes.to(device)
@@ -245,8 +253,28 @@ class TreeConstraint:
         if self.required is not None:
             self.required = self.required.to(device)
             self.boundary = self.boundary.to(device)
+        self.word_starts = None
+        if self.piece_starts_word is not None:
+            self.piece_starts_word = self.piece_starts_word.to(device)
+            self.word_starts = (self.piece_classes == self.TERMINAL) & self.piece_starts_word
         zeros = torch.zeros(batch, beam, dtype=torch.long, device=device)
         return zeros, zeros.clone(), zeros.clone()
+
+    def rescore(self, log_probs: Tensor, state: tuple[Tensor, Tensor, Tensor],
+                active: Tensor) -> Tensor:
+        """(B', K, V) log-probabilities with the next input piece scored as `score_words` says
+        (in place; unchanged for placeholder terminals or "joint")."""
+        if self.required is None or self.score_words == "joint":
+            return log_probs
+        placed = state[0].clamp(max=self.required.shape[1] - 1)  # (B', K)
+        next_piece = self.required[active].gather(1, placed).unsqueeze(-1)
+        starts = self.boundary[active].gather(1, placed)
+        any_word = torch.logsumexp(log_probs[..., self.word_starts], dim=-1)  # (B', K)
+        given = torch.where(starts, any_word, torch.zeros_like(any_word)).unsqueeze(-1)
+        # Past the last word the "next piece" is padding: it keeps its own (banned) score.
+        missing = (state[0] < self.word_count_of[active].unsqueeze(-1)).unsqueeze(-1)
+        given = torch.where(missing, given, log_probs.gather(-1, next_piece))
+        return log_probs.scatter_(-1, next_piece, given)
 
     def allowed(self, state: tuple[Tensor, Tensor, Tensor], active: Tensor,
                 steps_left: Tensor) -> Tensor:

@@ -107,6 +107,8 @@ def test_parse_detects_the_terminals_and_refuses_unknown_ones(parser):
     terminals, work = parser
     assert_clean_error(run_attn("parse", "-m", work / "parser.st", "--terminals", "leaves",
                                 stdin="a b\n"), "--terminals")
+    assert_clean_error(run_attn("parse", "-m", work / "parser.st", "--score-words", "any",
+                                stdin="a b\n"), "--score-words")
     assert_clean_error(run_attn("parse", "linearize", work / "dev.mrg", "-o", work / "x",
                                 "--terminals", "leaves"), "--terminals")
     target = (work / "train.tgt").read_text(encoding="utf-8").split()
@@ -145,6 +147,35 @@ def test_word_constraint_forces_the_input_pieces_in_order():
             if 10 in hypothesis.tokens:  # "▁s" "leeps" is one word: no bracket inside
                 position = hypothesis.tokens.index(10)
                 assert hypothesis.tokens[position + 1] == 11
+
+
+def test_given_words_are_scored_as_any_word_at_their_place():
+    """--score-words given: a word's first piece scores log Σ p(piece) over the pieces that
+    start a word; its other pieces score 0; brackets and EOS keep the model's scores."""
+    pieces = ["<pad>", "<unk>", "<s>", "</s>", "\u2581(S", "\u2581)S", "\u2581the", "\u2581s",
+              "leeps"]
+    required = [[6, 7, 8]]
+    log_probs = torch.log_softmax(torch.randn(1, 2, len(pieces), generator=torch.Generator(
+        ).manual_seed(3)), dim=-1)
+    placed = torch.tensor([[0, 2]])  # the first beam is before "▁the", the second inside "sleeps"
+    state = (placed, torch.zeros_like(placed), torch.zeros_like(placed))
+    for score_words in ("given", "joint"):
+        constraint = TreeConstraint.for_pieces(pieces, eos_id=3, word_counts=[3],
+                                               placeholder=None, required=required,
+                                               score_words=score_words)
+        constraint.start(1, 2, "cpu")
+        scored = constraint.rescore(log_probs.clone(), state, torch.tensor([0]))
+        if score_words == "joint":
+            assert torch.equal(scored, log_probs)
+            continue
+        any_word = torch.logsumexp(log_probs[0, 0, [6, 7]], dim=0)
+        assert scored[0, 0, 6] == pytest.approx(float(any_word))
+        assert scored[0, 1, 8] == 0.0
+        done = (torch.tensor([[3, 3]]),) + state[1:]  # every word placed: nothing rescored
+        assert torch.equal(constraint.rescore(log_probs.clone(), done, torch.tensor([0])),
+                           log_probs)
+        untouched = [i for i in range(len(pieces)) if i != 6]
+        assert torch.equal(scored[0, 0, untouched], log_probs[0, 0, untouched])
 
 
 def test_linearize_subtrees_adds_each_constituent_once(tmp_path):
