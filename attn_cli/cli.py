@@ -422,13 +422,15 @@ def parse(
     from .files import open_binary
     from .modelfile import load_model
     from .parsing import model_terminals, tree_constraint_for, tree_line
+    from .search import TreeConstraint
     from .translate import DecodeOptions, Translator, run
     from .trees import TERMINALS
 
     if terminals not in ("auto", *TERMINALS):
         raise AttnError(f"--terminals must be auto, {' or '.join(TERMINALS)}, not {terminals!r}")
-    if score_words not in ("given", "joint"):
-        raise AttnError(f"--score-words must be given or joint, not {score_words!r}")
+    if score_words not in TreeConstraint.WORD_SCORES:
+        raise AttnError(f"--score-words must be {' or '.join(TreeConstraint.WORD_SCORES)}, "
+                        f"not {score_words!r}")
     threads = _set_threads(threads)
     chosen_device = pick_device(device)
     workers, worker_threads = _search_workers(threads, workers, chosen_device)

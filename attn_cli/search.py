@@ -192,6 +192,7 @@ class TreeConstraint:
     state per hypothesis is (terminals emitted, open brackets, opening brackets in a row)."""
 
     NEVER, TERMINAL, OPEN, CLOSE, END = range(5)
+    WORD_SCORES = ("given", "joint")
     # Opening brackets in a row (a unary chain and the phrases it starts): at most 6 in the
     # Penn Treebank sample; the bound keeps a search from stalling on brackets alone.
     MAX_OPEN_RUN = 8
@@ -253,10 +254,9 @@ class TreeConstraint:
         if self.required is not None:
             self.required = self.required.to(device)
             self.boundary = self.boundary.to(device)
-        self.word_starts = None
-        if self.piece_starts_word is not None:
-            self.piece_starts_word = self.piece_starts_word.to(device)
-            self.word_starts = (self.piece_classes == self.TERMINAL) & self.piece_starts_word
+        if self.piece_starts_word is not None:  # the pieces `rescore` sums over
+            self.word_starts = ((self.piece_classes == self.TERMINAL)
+                                & self.piece_starts_word.to(device))
         zeros = torch.zeros(batch, beam, dtype=torch.long, device=device)
         return zeros, zeros.clone(), zeros.clone()
 

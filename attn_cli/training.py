@@ -511,12 +511,11 @@ def _train(options: TrainOptions, processes: Processes) -> Path | None:
         row = {"step": step, "elapsed_s": elapsed_before + time.monotonic() - started}
         if valid is not None:
             row.update(evaluate(trained, valid, plan.max_tokens, epsilon, processes, dtype))
-        if len(row) > 2:
+        if len(row) > 2:  # before the checkpoint, as in the loop
             _write_metrics(run_dir, row, processes)
+            progress.log(row)
         last_checkpoint = _save(run_dir, step, model, optimizer, stream, scaler,
                                 row["elapsed_s"], recipe, data, options, processes)
-        if len(row) > 2:
-            progress.log(row)
     _log(processes, f"{stop_reason}; last checkpoint {last_checkpoint}")
     return last_checkpoint if processes.is_main else None
 
