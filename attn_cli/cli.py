@@ -52,6 +52,19 @@ def _preset_names(incomplete: str = "") -> list[str]:
     return [name for name in PRESETS if name.startswith(incomplete)]
 
 
+STRICT_HELP = ("Invalid UTF-8 in an input line is an error (the lines before it are still "
+               "written). Default: its bytes become U+FFFD, the line is processed, and stderr "
+               "names it.")
+REPLACE_INVALID_HELP = ("Replace invalid UTF-8 bytes by U+FFFD (stderr names the lines) "
+                        "instead of stopping with an error: training data should be clean.")
+
+
+def _utf8_policy(strict: bool):
+    from .files import Utf8Policy
+
+    return Utf8Policy(strict=strict, warn=log)
+
+
 # ---------------------------------------------------------------------------------------- vocab
 
 
@@ -74,6 +87,7 @@ def vocab(
     symbols_path: Optional[Path] = typer.Option(
         None, "--symbols", help="A file of tokens to keep whole, one per line (`attn parse "
         "linearize` writes PREFIX.symbols with the tree brackets)."),
+    replace_invalid: bool = typer.Option(False, "--replace-invalid", help=REPLACE_INVALID_HELP),
 ) -> None:
     """Learn a shared subword vocabulary (SentencePiece) from text files."""
     from . import vocab as vocabulary_module
@@ -83,7 +97,9 @@ def vocab(
     if files.count("-") > 1:
         raise AttnError("stdin ('-') can be read only once")
     started = time.perf_counter()
-    lines, total = vocabulary_module.sample_lines(files, sample, seed)
+    policy = _utf8_policy(strict=not replace_invalid)
+    lines, total = vocabulary_module.sample_lines(files, sample, seed, policy)
+    policy.finish()
     note = f" (a sample of {len(lines)})" if total > len(lines) else ""
     log(f"vocab: learning a {size}-piece {model_type} vocabulary from {total} lines{note}")
     symbols = None
@@ -112,6 +128,7 @@ def binarize(
     max_len: int = typer.Option(1024, "--max-len", min=1,
                                 help="Drop pairs with a side longer than this (subwords)."),
     threads: int = typer.Option(0, "--threads", help="Encoder threads (0: all cores)."),
+    replace_invalid: bool = typer.Option(False, "--replace-invalid", help=REPLACE_INVALID_HELP),
 ) -> None:
     """Encode a parallel corpus into a training data file (safetensors)."""
     from .data import binarize as binarize_corpus
@@ -119,8 +136,10 @@ def binarize(
 
     src_vocab = Vocabulary.from_file(vocab_path)
     tgt_vocab = Vocabulary.from_file(tgt_vocab_path) if tgt_vocab_path else None
+    policy = _utf8_policy(strict=not replace_invalid)
     stats = binarize_corpus(src, tgt, output, src_vocab, tgt_vocab, max_len=max_len,
-                            threads=threads)
+                            threads=threads, policy=policy)
+    policy.finish()
     log(f"binarize: {stats.summary()}")
     log(f"binarize: wrote {output}")
 
@@ -137,8 +156,9 @@ def train(
     valid: Optional[Path] = typer.Option(None, "--valid", help="Validation data (binarized "
                                          "with the same vocabulary); scored at each save."),
     preset: str = typer.Option("base", "--preset", autocompletion=_preset_names,
-                               help="Architecture and recipe: base, big, base-A1..base-E "
-                               "(Table 3), big-enfr, parse-wsj, small, tiny."),
+                               help="Architecture and recipe: " + ", ".join(PRESETS) + " "
+                               "(base-A1 to base-E: Table 3's rows; `attn train --preset NAME "
+                               "--dry-run` shows one)."),
     batch_tokens: Optional[int] = typer.Option(
         None, "--batch-tokens", min=1, help="Tokens per side per optimizer step, summed over "
         "all processes (paper: 25000). Default: the preset's."),
@@ -279,10 +299,11 @@ def decode(
     raw: bool = typer.Option(False, "--raw", help="Print subword pieces, not detokenized "
                              "text."),
     input_path: str = typer.Option("-", "-i", "--input", help="Read this file, not stdin."),
+    strict: bool = typer.Option(False, "--strict", help=STRICT_HELP),
 ) -> None:
     """Translate stdin to stdout with beam search (paper §6.1): one line out per line in."""
     from .devices import inference_dtype, pick_device
-    from .files import open_binary
+    from .files import display_name, open_binary
     from .modelfile import load_model
     from .translate import DecodeOptions, Translator, run
 
@@ -299,8 +320,11 @@ def decode(
     translator = Translator(loaded, options, chosen_device, precision, warn=log)
     out = _text_stdout()
     with open_binary(input_path) as stream:
-        stats = run(translator, stream, out, "<stdin>" if input_path == "-" else input_path)
-    out.flush()
+        try:
+            stats = run(translator, stream, out, display_name(input_path),
+                        policy=_utf8_policy(strict))
+        finally:
+            out.flush()
     log(f"decode: {stats.summary()}")
 
 
@@ -327,18 +351,28 @@ def score(
     batch_tokens: int = typer.Option(8000, "--batch-tokens", min=1,
                                      help="With -m: tokens per batch."),
     threads: int = typer.Option(0, "--threads", min=0, help="With -m: CPU threads."),
+    max_errors: int = typer.Option(10, "--max-errors", min=0, help="With --trees: error "
+                                   "sentences (words that differ from the gold tree's) "
+                                   "reported and left out before it is an error (EVALB's "
+                                   "MAX_ERROR)."),
+    strict: bool = typer.Option(False, "--strict", help=STRICT_HELP),
 ) -> None:
-    """Evaluate: sacreBLEU BLEU/chrF/TER with signatures, or force-decoding perplexity."""
+    """Evaluate: sacreBLEU BLEU/chrF/TER with signatures, force-decoding perplexity, or EVALB
+    F1 of trees."""
     from . import scoring
 
     files = files or []
     out = _text_stdout()
+    policy = _utf8_policy(strict)
     if trees:
         if ref is None or len(files) > 1:
             raise AttnError("score --trees takes --ref GOLD and one file of trees (or stdin)")
-        for line in scoring.tree_scores(ref, files[0] if files else "-", sentence_level):
-            out.write(line + "\n")
-        out.flush()
+        try:
+            for line in scoring.tree_scores(ref, files[0] if files else "-", sentence_level,
+                                            max_errors, policy, warn=log):
+                out.write(line + "\n")
+        finally:
+            out.flush()
         return
     if model_path is not None:
         if len(files) != 2:
@@ -346,7 +380,7 @@ def score(
         from .devices import pick_device, resolve_dtype
         from .modelfile import load_model
 
-        sources, targets = scoring.read_parallel(files[0], files[1])
+        sources, targets, bad_line = scoring.read_parallel(files[0], files[1], policy)
         _set_threads(threads)
         chosen_device = pick_device(device)
         loaded = load_model(model_path, device=chosen_device)
@@ -356,6 +390,8 @@ def score(
         for result in results:
             out.write(f"{result.log_prob:.4f}\t{result.tokens}\n")
         out.flush()
+        if bad_line is not None:
+            raise bad_line
         tokens = sum(result.tokens for result in results)
         log(f"score: {len(results)} pairs, {tokens} target tokens (EOS included), perplexity "
             f"{scoring.perplexity(results):.4f} in {time.perf_counter() - started:.1f}s")
@@ -364,15 +400,18 @@ def score(
         raise AttnError("score needs --ref REF (or -m MODEL SRC TGT)")
     if len(files) > 1:
         raise AttnError("score --ref REF takes one hypothesis file (or stdin)")
-    hypotheses, references = scoring.read_parallel(files[0] if files else "-", ref)
+    hypotheses, references, bad_line = scoring.read_parallel(files[0] if files else "-", ref,
+                                                             policy)
     names = [name.strip().lower() for name in metrics.split(",") if name.strip()]
     if sentence_level:
         for line in scoring.sentence_scores(hypotheses, references, names[0], tokenize):
             out.write(line + "\n")
-    else:
+    elif bad_line is None:
         for line in scoring.corpus_scores(hypotheses, references, names, tokenize, lowercase):
             out.write(line + "\n")
     out.flush()
+    if bad_line is not None:
+        raise bad_line
 
 
 parse_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
@@ -410,16 +449,17 @@ def parse(
                                     "terminals: given (a word scores the model's probability "
                                     "of any word there: only the brackets are searched) or "
                                     "joint (the probability of the input's own pieces)."),
+    strict: bool = typer.Option(False, "--strict", help=STRICT_HELP),
 ) -> None:
     """Constituency parsing with the same model (paper §6.3): one tokenized sentence per line in,
-    one well-formed bracketed tree per line out, always. `attn parse linearize` makes the
+    one well-formed bracketed tree per line out, always (an empty line for an empty line). `attn parse linearize` makes the
     training pairs from a treebank."""
     if context.invoked_subcommand is not None:
         return
     if model_path is None:
         raise AttnError("parse needs -m PARSER.st (or the subcommand `linearize`)")
     from .devices import inference_dtype, pick_device
-    from .files import open_binary
+    from .files import display_name, open_binary
     from .modelfile import load_model
     from .parsing import model_terminals, tree_constraint_for, tree_line
     from .search import TreeConstraint
@@ -446,10 +486,13 @@ def parse(
                             constraint_for=constraint_for)
     out = _text_stdout()
     with open_binary(input_path) as stream:
-        stats = run(translator, stream, out, "<stdin>" if input_path == "-" else input_path,
-                    render=lambda index, line, hypotheses: [tree_line(translator, line,
-                                                                      hypotheses)])
-    out.flush()
+        try:
+            stats = run(translator, stream, out, display_name(input_path),
+                        render=lambda index, line, hypotheses: [tree_line(translator, line,
+                                                                          hypotheses)],
+                        policy=_utf8_policy(strict))
+        finally:
+            out.flush()
     log(f"parse: {stats.summary()}")
 
 

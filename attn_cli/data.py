@@ -19,7 +19,15 @@ from pathlib import Path
 import numpy as np
 
 from . import stfile
-from .files import AttnError, decode_chunk, display_name, open_binary, take_lines
+from .files import (
+    STRICT,
+    AttnError,
+    Utf8Policy,
+    decode_chunk,
+    display_name,
+    open_binary,
+    take_lines,
+)
 from .vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocabulary
 
 DATA_FORMAT = "attn-data"
@@ -79,9 +87,10 @@ def _mismatch(src_path, tgt_path, src_handle, tgt_handle, src_count, tgt_count) 
 
 
 def _encode_side(raw_lines: list[bytes], path, first_line_number: int, vocabulary: Vocabulary,
-                 threads: int) -> tuple[np.ndarray, np.ndarray]:
+                 threads: int, policy: Utf8Policy) -> tuple[np.ndarray, np.ndarray]:
     """One chunk of one side → (flat int32 ids, int64 lengths)."""
-    sequences = vocabulary.encode(decode_chunk(raw_lines, path, first_line_number), threads)
+    sequences = vocabulary.encode(decode_chunk(raw_lines, path, first_line_number, policy),
+                                  threads)
     lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
     flat_ids = np.fromiter(itertools.chain.from_iterable(sequences), dtype="<i4",
                            count=int(lengths.sum()))
@@ -92,9 +101,11 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
              out_path: str | os.PathLike, src_vocab: Vocabulary,
              tgt_vocab: Vocabulary | None = None, max_len: int = 1024, threads: int = 0,
              chunk_lines: int = 10_000,
-             progress: Callable[[BinarizeStats], None] | None = None) -> BinarizeStats:
+             progress: Callable[[BinarizeStats], None] | None = None,
+             policy: Utf8Policy = STRICT) -> BinarizeStats:
     """Encode a parallel corpus into a data file. Pairs with an empty side or a side of more
-    than `max_len` subwords are dropped and counted. `tgt_vocab`: a separate target vocabulary."""
+    than `max_len` subwords are dropped and counted. `tgt_vocab`: a separate target vocabulary.
+    `policy`: what invalid UTF-8 does (an error by default: training data should be clean)."""
     if str(src_path) == "-" and str(tgt_path) == "-":
         raise AttnError("source and target cannot both be stdin")
     started = time.perf_counter()
@@ -115,7 +126,8 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
             if not raw["src"]:
                 break
             encoded = {side: _encode_side(raw[side], paths[side], stats.lines + 1,
-                                          vocabularies[side], threads) for side in SIDES}
+                                          vocabularies[side], threads, policy)
+                       for side in SIDES}
             del raw  # keep one chunk alive at a time: memory stays flat however long the corpus
             lengths = {side: encoded[side][1] for side in SIDES}
             empty = (lengths["src"] == 0) | (lengths["tgt"] == 0)

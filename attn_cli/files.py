@@ -11,7 +11,7 @@ import contextlib
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -49,20 +49,62 @@ def open_binary(path: str | os.PathLike) -> Iterator[BinaryIO]:
         yield handle
 
 
-def decode_line(raw: bytes, path: str | os.PathLike, line_number: int) -> str:
-    """One line of UTF-8 without its line ending, or an error naming file, line and byte column."""
-    try:
-        return raw.decode("utf-8").rstrip("\r\n")
-    except UnicodeDecodeError as error:
-        raise AttnError(f"{display_name(path)}:{line_number}: invalid UTF-8 "
-                        f"(byte {error.start + 1} of the line)") from None
+class Utf8Policy:
+    """What a line of invalid UTF-8 does. Strict (the default, and what training data gets): an
+    error naming the file, the line and the byte. Lenient (`decode`, `parse` and `score` unless
+    --strict; `vocab`/`binarize --replace-invalid`): the bad bytes become U+FFFD, the line is
+    processed like any other, and stderr names the first few such lines, then gives a count at
+    the end (`finish`), so that one stray byte never costs the lines around it."""
+
+    NAMED = 5  # lines named one by one, per run; after these, only the count at the end
+
+    def __init__(self, strict: bool = True, warn: Callable[[str], None] | None = None):
+        self.strict = strict
+        self.warn = warn or (lambda message: print(message, file=sys.stderr, flush=True))
+        self.replaced: dict[str, list[int]] = {}  # file → its lines with bytes replaced
+
+    def decode(self, raw: bytes, path: str | os.PathLike, line_number: int) -> str:
+        """One line without its line ending."""
+        try:
+            return raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as error:
+            where = (f"{display_name(path)}:{line_number}: invalid UTF-8 "
+                     f"(byte {error.start + 1} of the line)")
+            if self.strict:
+                raise AttnError(where) from None
+        lines = self.replaced.setdefault(display_name(path), [])
+        lines.append(line_number)
+        if sum(map(len, self.replaced.values())) <= self.NAMED:
+            self.warn(f"warning: {where}, replaced by U+FFFD")
+        return raw.decode("utf-8", "replace").rstrip("\r\n")
+
+    def finish(self) -> None:
+        """The count, when more lines were replaced than were named."""
+        if sum(map(len, self.replaced.values())) <= self.NAMED:
+            return
+        for name, lines in self.replaced.items():
+            self.warn(f"warning: {name}: {len(lines)} line(s) with invalid UTF-8 in all, bytes "
+                      f"replaced by U+FFFD (first at line {lines[0]}, last at line {lines[-1]})")
+
+    @property
+    def count(self) -> int:
+        return sum(map(len, self.replaced.values()))
 
 
-def read_lines(path: str | os.PathLike) -> Iterator[str]:
+STRICT = Utf8Policy(strict=True)
+
+
+def decode_line(raw: bytes, path: str | os.PathLike, line_number: int,
+                policy: Utf8Policy = STRICT) -> str:
+    """One line of UTF-8 without its line ending; invalid bytes as `policy` says."""
+    return policy.decode(raw, path, line_number)
+
+
+def read_lines(path: str | os.PathLike, policy: Utf8Policy = STRICT) -> Iterator[str]:
     """The lines of a UTF-8 text file (or `-`), lazily, without line endings."""
     with open_binary(path) as handle:
         for line_number, raw in enumerate(handle, start=1):
-            yield decode_line(raw, path, line_number)
+            yield policy.decode(raw, path, line_number)
 
 
 def take_lines(handle: BinaryIO, count: int) -> list[bytes]:
@@ -75,16 +117,15 @@ def take_lines(handle: BinaryIO, count: int) -> list[bytes]:
     return lines
 
 
-def decode_chunk(raw_lines: list[bytes], path: str | os.PathLike,
-                 first_line_number: int) -> list[str]:
-    """Decode consecutive raw lines; an error names the first bad line."""
+def decode_chunk(raw_lines: list[bytes], path: str | os.PathLike, first_line_number: int,
+                 policy: Utf8Policy = STRICT) -> list[str]:
+    """Decode consecutive raw lines; a bad line is an error naming it, or replaced (`policy`)."""
     try:
         # One decode call for the whole chunk is much faster than one per line.
         text = b"".join(raw_lines).decode("utf-8")
     except UnicodeDecodeError:
-        for offset, raw in enumerate(raw_lines):
-            decode_line(raw, path, first_line_number + offset)  # raises, naming the line
-        raise
+        return [policy.decode(raw, path, first_line_number + offset)
+                for offset, raw in enumerate(raw_lines)]
     lines = text.split("\n")
     if text.endswith("\n"):
         lines.pop()

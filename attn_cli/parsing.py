@@ -23,10 +23,10 @@ from .trees import (
 
 def tree_line(translator, line: str, hypotheses: list[Hypothesis]) -> str:
     """The best hypothesis as a tree over the input's words, repaired if need be, with repeated
-    unary brackets merged."""
+    unary brackets merged. An empty (or blank) line gets an empty line, as in `decode`."""
     words = line.split()
     if not words:
-        return str(Tree(ROOT, []))
+        return ""
     sequence = translator.detokenize(hypotheses[:1])[0]
     return str(merge_unary_repeats(delinearize(sequence, words)))
 

@@ -12,20 +12,39 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .files import AttnError, display_name, read_lines
+from .files import STRICT, AttnError, Utf8Policy, display_name, open_binary
+from .trees import MAX_ERRORS
 
 METRICS = ("bleu", "chrf", "ter")
 TOKENIZERS = ("13a", "intl", "none", "zh", "ja-mecab", "ko-mecab", "char", "flores101",
               "flores200")
 
 
-def read_parallel(first: str, second: str) -> tuple[list[str], list[str]]:
-    """Two files that must have the same number of lines."""
-    a, b = list(read_lines(first)), list(read_lines(second))
-    if len(a) != len(b):
-        raise AttnError(f"line counts differ: {display_name(first)} has {len(a)} lines, "
-                        f"{display_name(second)} has {len(b)}")
-    return a, b
+def read_raw_lines(path: str) -> list[bytes]:
+    with open_binary(path) as handle:
+        return list(handle)
+
+
+def read_parallel(first: str, second: str, policy: Utf8Policy = STRICT
+                  ) -> tuple[list[str], list[str], AttnError | None]:
+    """Two files that must have the same number of lines, decoded as `policy` says. With a
+    strict policy and an invalid line: the pairs before it, and the error to raise once their
+    per-line results are written."""
+    raw_a, raw_b = read_raw_lines(first), read_raw_lines(second)
+    if len(raw_a) != len(raw_b):
+        raise AttnError(f"line counts differ: {display_name(first)} has {len(raw_a)} lines, "
+                        f"{display_name(second)} has {len(raw_b)}")
+    a, b = [], []
+    try:
+        for number, (line_a, line_b) in enumerate(zip(raw_a, raw_b), start=1):
+            decoded_a = policy.decode(line_a, first, number)
+            b.append(policy.decode(line_b, second, number))
+            a.append(decoded_a)
+    except AttnError as error:
+        return a, b, error
+    finally:
+        policy.finish()
+    return a, b, None
 
 
 def corpus_scores(hypotheses: list[str], references: list[str], metrics: list[str],
@@ -117,31 +136,68 @@ def perplexity(scores: list[ForcedScore]) -> float:
     return math.exp(-sum(s.log_prob for s in scores) / tokens) if tokens else float("nan")
 
 
-def tree_scores(gold_path: str, test_path: str, sentence_level: bool = False) -> Iterator[str]:
-    """EVALB over a gold treebank and one test tree per line; a corpus line, or one line per
-    tree (`precision recall f1`)."""
-    from .trees import BracketCounts, clean, evalb_sentence, read_treebank, read_trees
+def tree_scores(gold_path: str, test_path: str, sentence_level: bool = False,
+                max_errors: int = MAX_ERRORS, policy: Utf8Policy = STRICT,
+                warn=None) -> Iterator[str]:
+    """EVALB (COLLINS.prm) over a gold treebank and one test tree per line: two summary lines
+    (all sentences, and those of ≤ 40 words), or one `precision recall f1` line per tree (nan
+    for an error or skip sentence). Error sentences are reported through `warn`; more than
+    `max_errors` of them is an error, as in EVALB."""
+    from .trees import (
+        CUTOFF_LENGTH,
+        BracketCounts,
+        EvalbMismatch,
+        evalb_length,
+        evalb_sentence,
+        read_treebank,
+        read_trees,
+    )
 
-    gold = [clean(tree) for tree in read_treebank([gold_path])]
-    test_lines = list(read_lines(test_path))
-    if len(gold) != len(test_lines):
+    warn = warn or (lambda message: None)
+    gold = list(read_treebank([gold_path]))
+    raw_lines = read_raw_lines(test_path)
+    name = display_name(test_path)
+    if len(gold) != len(raw_lines):
         raise AttnError(f"tree counts differ: {display_name(gold_path)} has {len(gold)} trees, "
-                        f"{display_name(test_path)} has {len(test_lines)} lines")
+                        f"{name} has {len(raw_lines)} lines")
     total, short = BracketCounts(), BracketCounts()
-    for number, (gold_tree, line) in enumerate(zip(gold, test_lines), start=1):
-        parsed = list(read_trees(line, f"{display_name(test_path)}:{number}"))
-        if len(parsed) != 1:
-            raise AttnError(f"{display_name(test_path)}:{number}: expected one tree, found "
-                            f"{len(parsed)}")
-        counts = evalb_sentence(gold_tree, parsed[0], number)
-        total.add(counts)
-        if len(gold_tree.words()) <= 40:
-            short.add(counts)
-        if sentence_level:
-            one = counts
-            yield f"{one.precision:.2f}\t{one.recall:.2f}\t{one.f1:.2f}"
+    error_lines: list[int] = []
+    try:
+        for number, (gold_tree, raw) in enumerate(zip(gold, raw_lines), start=1):
+            line = policy.decode(raw, test_path, number)
+            try:
+                gold_length = evalb_length(gold_tree)
+            except EvalbMismatch as error:
+                raise AttnError(f"{display_name(gold_path)}: tree {number}: {error}") from None
+            try:
+                trees = list(read_trees(line, f"{name}:{number}"))
+                if len(trees) > 1:
+                    raise EvalbMismatch(f"{len(trees)} trees on one line")
+                counts = evalb_sentence(gold_tree, trees[0] if trees else None)
+            except (AttnError, EvalbMismatch) as error:
+                reason = str(error).removeprefix(f"{name}:{number}: ")
+                error_lines.append(number)
+                if len(error_lines) > max_errors:
+                    raise AttnError(f"{name}:{number}: {reason}; that is {len(error_lines)} "
+                                    f"error sentences, more than --max-errors {max_errors}"
+                                    ) from None
+                warn(f"score: {name}:{number}: error sentence, not scored: {reason}")
+                counts = BracketCounts(sentences=1, errors=1)
+            total.add(counts)
+            if gold_length <= CUTOFF_LENGTH:
+                short.add(counts)
+            if sentence_level:
+                yield (f"{counts.precision:.2f}\t{counts.recall:.2f}\t{counts.f1:.2f}"
+                       if counts.valid else "nan\tnan\tnan")
+    finally:
+        policy.finish()
+    if total.errors or total.skipped:
+        warn(f"score: {total.errors} error and {total.skipped} skip sentence(s) not scored "
+             f"(as EVALB counts them){': errors at lines ' if error_lines else ''}"
+             f"{', '.join(map(str, error_lines))}")
     if not sentence_level:
-        for name, counts in (("all", total), ("len<=40", short)):
-            yield (f"EVALB|COLLINS.prm|{name}|sentences:{counts.sentences} = F1 {counts.f1:.2f} "
+        for label, counts in (("all", total), (f"len<={CUTOFF_LENGTH}", short)):
+            yield (f"EVALB|COLLINS.prm|{label}|sentences:{counts.sentences}|valid:{counts.valid}"
+                   f"|errors:{counts.errors}|skipped:{counts.skipped} = F1 {counts.f1:.2f} "
                    f"P {counts.precision:.2f} R {counts.recall:.2f} "
-                   f"EX {100 * counts.exact / max(counts.sentences, 1):.2f}")
+                   f"EX {counts.exact_match:.2f} CB {counts.average_crossing:.2f}")

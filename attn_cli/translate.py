@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .devices import pack_for_cpu_inference
-from .files import decode_line
+from .files import STRICT, AttnError, Utf8Policy
 from .modelfile import LoadedModel
 from .search import Hypothesis, beam_search
 
@@ -46,20 +46,26 @@ class DecodeStats:
     output_tokens: int = 0  # EOS included
     seconds: float = 0.0
     truncated: int = 0
+    replaced: int = 0  # lines whose invalid UTF-8 was replaced by U+FFFD
 
     def summary(self) -> str:
         rate = self.output_tokens / self.seconds if self.seconds else 0.0
+        notes = [f"{self.truncated} truncated"] if self.truncated else []
+        notes += [f"{self.replaced} with invalid UTF-8 replaced"] if self.replaced else []
         return (f"{self.sentences} sentences, {self.output_tokens} output tokens (EOS "
                 f"included) in {self.seconds:.2f}s: {self.sentences / max(self.seconds, 1e-9):.1f}"
-                f" sentences/s, {rate:.0f} tokens/s")
+                f" sentences/s, {rate:.0f} tokens/s"
+                + (f" ({', '.join(notes)})" if notes else ""))
 
 
 _END = object()
 
 
-def read_windows(stream, buffer_size: int, name: str = "<stdin>") -> Iterator[list[str]]:
+def read_windows(stream, buffer_size: int, name: str = "<stdin>",
+                 policy: Utf8Policy = STRICT) -> Iterator[list[str]]:
     """Lines of a binary stream in windows: block for one line, then take what else has already
-    arrived, up to `buffer_size`. Invalid UTF-8 is an error naming the line."""
+    arrived, up to `buffer_size`. Invalid UTF-8 is replaced or an error, as `policy` says; an
+    error comes after the window of the lines before it, so that those are still written."""
     arrived: queue.Queue = queue.Queue(maxsize=max(2 * buffer_size, 2))
 
     def pump():
@@ -83,7 +89,12 @@ def read_windows(stream, buffer_size: int, name: str = "<stdin>") -> Iterator[li
             if isinstance(item, BaseException):
                 raise item
             line_number += 1
-            window.append(decode_line(item, name, line_number))
+            try:
+                window.append(policy.decode(item, name, line_number))
+            except AttnError:
+                if window:
+                    yield window
+                raise
             if len(window) >= buffer_size:
                 break
             try:
@@ -242,15 +253,17 @@ class Translator:
         return [f"{index}\t{h.score:.4f}\t{text}" for h, text in padded]
 
 
-def run(translator: Translator, stream, out, name: str = "<stdin>", render=None) -> DecodeStats:
+def run(translator: Translator, stream, out, name: str = "<stdin>", render=None,
+        policy: Utf8Policy = STRICT) -> DecodeStats:
     """The pipe: windows of lines in, one line (or nbest lines) out per line in, in order.
-    `render(index, line, hypotheses)` makes the output lines (default: translations)."""
+    `render(index, line, hypotheses)` makes the output lines (default: translations); `policy`
+    says what invalid UTF-8 does."""
     render = render or (lambda index, line, hypotheses: translator.format(index, hypotheses))
     started = time.perf_counter()
     stats = translator.stats
     line_number = 0
     try:
-        for window in read_windows(stream, translator.options.buffer_size, name):
+        for window in read_windows(stream, translator.options.buffer_size, name, policy):
             results = translator.translate_window(window, line_number + 1)
             for offset, hypotheses in enumerate(results):
                 for text in render(line_number + offset, window[offset], hypotheses):
@@ -262,5 +275,7 @@ def run(translator: Translator, stream, out, name: str = "<stdin>", render=None)
             line_number += len(window)
     finally:
         translator.close()
+        policy.finish()
     stats.seconds = time.perf_counter() - started
+    stats.replaced = policy.count
     return stats

@@ -16,7 +16,6 @@ from .files import AttnError
 
 PLACEHOLDER = "XX"  # every POS tag in linearized trees (EVALB does not score tags)
 ROOT = "TOP"  # the outer bracket; Penn Treebank files leave it unlabelled
-PUNCTUATION_TAGS = {",", ":", "``", "''", "."}  # COLLINS.prm's DELETE_LABEL for words
 EQUIVALENT_LABELS = {"PRT": "ADVP"}  # COLLINS.prm's EQ_LABEL ADVP PRT
 BRACKET_ESCAPES = {"(": "-LRB-", ")": "-RRB-"}
 
@@ -220,22 +219,104 @@ def merge_unary_repeats(tree: Tree) -> Tree:
 
 
 # ------------------------------------------------------------------------------------- EVALB
+#
+# EVALB (Sekine & Collins, 1997) with COLLINS.prm, the parameter file parsing papers report
+# with, rule for rule, on both trees alike:
+# - terminals tagged with a DELETE_LABEL (-NONE-, the punctuation tags) are not words;
+# - a bracket's label is cut at its first '-' or '=' (NP-SBJ-1 → NP, PP=2 → PP);
+# - brackets labelled TOP, or over no remaining word, are not counted; ADVP equals PRT;
+# - gold and test must have the same words, else the sentence is an "error sentence": reported,
+#   not scored, and more than MAX_ERROR of them end the run; a test tree without words (an
+#   empty line) is a "skip sentence", not scored either;
+# - sentences of at most CUTOFF_LEN words, -NONE- not counted, are also scored apart.
+# One addition: a test terminal tagged with the placeholder XX (what `attn parse` writes, as
+# every tagless parser does) takes the gold tag of its position, which is what one does before
+# giving such output to EVALB (else every sentence with punctuation is an error sentence).
+
+DELETED_LABELS = frozenset({"TOP", "-NONE-", ",", ":", "``", "''", "."})  # DELETE_LABEL
+NOT_COUNTED_FOR_LENGTH = frozenset({"-NONE-"})  # DELETE_LABEL_FOR_LENGTH
+CUTOFF_LENGTH = 40  # CUTOFF_LEN
+MAX_ERRORS = 10  # MAX_ERROR
+PUNCTUATION_TAGS = DELETED_LABELS - {"TOP", "-NONE-"}
+
+
+def evalb_label(label: str) -> str:
+    """EVALB's label of a bracket: cut at the first '-' or '=' (so NP-SBJ-1 → NP), then
+    ADVP = PRT. Unlike `base_label`, '|' is kept (EVALB keeps ADVP|PRT whole)."""
+    cut = re.split(r"[-=]", label, maxsplit=1)[0]
+    return EQUIVALENT_LABELS.get(cut, cut)
+
+
+class EvalbMismatch(Exception):
+    """A test tree EVALB cannot compare with its gold tree: an error sentence."""
+
+
+@dataclass
+class EvalbTree:
+    """What EVALB sees of a tree: its words, their tags, its counted brackets."""
+
+    words: list[str]  # without the deleted terminals (traces, punctuation)
+    brackets: Counter  # (label, start, end) over `words`, a multiset
+    length: int  # words for the length cut-off: every terminal but -NONE-
+
+
+def evalb_tree(tree: Tree, gold_tags: list[str] | None = None) -> EvalbTree:
+    """A tree as EVALB reads it. `gold_tags` (the gold tree's, -NONE- left out) stand in for the
+    test tree's placeholder tags. Raises EvalbMismatch for a word outside a preterminal."""
+    words: list[str] = []
+    brackets: Counter = Counter()
+    length = 0
+
+    def walk(node: Tree) -> None:
+        nonlocal length
+        if node.is_preterminal:
+            tag = node.label
+            if tag not in NOT_COUNTED_FOR_LENGTH:
+                if tag == PLACEHOLDER and gold_tags is not None and length < len(gold_tags):
+                    tag = gold_tags[length]
+                length += 1
+            if tag not in DELETED_LABELS:
+                words.append(node.children[0])
+            return
+        start = len(words)
+        for child in node.children:
+            if isinstance(child, str):
+                raise EvalbMismatch(f"the word {child!r} has no tag of its own")
+            walk(child)
+        label = evalb_label(node.label)
+        if len(words) > start and label not in DELETED_LABELS:
+            brackets[(label, start, len(words))] += 1
+
+    walk(tree)
+    return EvalbTree(words, brackets, length)
+
+
+def gold_tags(tree: Tree) -> list[str]:
+    """The tags of a gold tree's terminals, -NONE- left out (the test tree's positions)."""
+    return [p.label for p in tree.preterminals() if p.label not in NOT_COUNTED_FOR_LENGTH]
 
 
 @dataclass
 class BracketCounts:
+    """EVALB's totals over sentences; the bracket counts sum over the valid ones only."""
+
     matched: int = 0
     gold: int = 0
     test: int = 0
-    sentences: int = 0
+    sentences: int = 0  # all of them, error and skip sentences included
     exact: int = 0
+    crossing: int = 0
+    errors: int = 0
+    skipped: int = 0
 
     def add(self, other: "BracketCounts") -> None:
-        self.matched += other.matched
-        self.gold += other.gold
-        self.test += other.test
-        self.sentences += other.sentences
-        self.exact += other.exact
+        for name in ("matched", "gold", "test", "sentences", "exact", "crossing", "errors",
+                     "skipped"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def valid(self) -> int:
+        return self.sentences - self.errors - self.skipped
 
     @property
     def precision(self) -> float:
@@ -250,49 +331,47 @@ class BracketCounts:
         p, r = self.precision, self.recall
         return 2 * p * r / (p + r) if p + r else 0.0
 
+    @property
+    def exact_match(self) -> float:
+        """Complete match: the share of valid sentences whose brackets all match."""
+        return 100.0 * self.exact / self.valid if self.valid else 0.0
 
-def _brackets(tree: Tree, kept: list[bool]) -> Counter:
-    """Labelled spans over the words that count (punctuation deleted), without the root and
-    preterminals, as a multiset of (label, start, end)."""
-    spans: Counter = Counter()
-    position = 0
-
-    def walk(node: Tree, is_root: bool) -> tuple[int, int]:
-        nonlocal position
-        if node.is_preterminal:
-            start = position
-            position += 1
-            return start, position
-        start = None
-        end = None
-        for child in node.children:
-            child_start, child_end = walk(child, False)
-            start = child_start if start is None else start
-            end = child_end
-        if not is_root and start is not None:
-            first = sum(kept[:start])
-            last = sum(kept[:end])
-            if last > first:
-                label = EQUIVALENT_LABELS.get(node.label, node.label)
-                spans[(label, first, last)] += 1
-        return start, end
-
-    walk(tree, True)
-    return spans
+    @property
+    def average_crossing(self) -> float:
+        return self.crossing / self.valid if self.valid else 0.0
 
 
-def evalb_sentence(gold: Tree, test: Tree, line: int = 0) -> BracketCounts:
-    """COLLINS.prm conventions: labels only, punctuation (by its gold tag) ignored, ADVP = PRT,
-    the root and the preterminals not counted."""
-    gold_leaves = gold.preterminals()
-    test_words = test.words()
-    if [escape_word(w) for w in (p.children[0] for p in gold_leaves)] != \
-            [escape_word(w) for w in test_words]:
-        raise AttnError(f"tree {line}: the words differ from the gold tree's "
-                        f"({len(test_words)} against {len(gold_leaves)})")
-    kept = [p.label not in PUNCTUATION_TAGS for p in gold_leaves]
-    gold_spans, test_spans = _brackets(gold, kept), _brackets(test, kept)
-    matched = sum((gold_spans & test_spans).values())
-    counts = BracketCounts(matched, sum(gold_spans.values()), sum(test_spans.values()), 1, 0)
-    counts.exact = int(matched == counts.gold == counts.test)
-    return counts
+def _crosses(a: tuple[str, int, int], b: tuple[str, int, int]) -> bool:
+    (_, a_start, a_end), (_, b_start, b_end) = a, b
+    return a_start < b_start < a_end < b_end or b_start < a_start < b_end < a_end
+
+
+def evalb_sentence(gold: Tree, test: Tree | None) -> BracketCounts:
+    """One sentence's counts. A test tree with no words (or None: nothing on its line) is a
+    skip sentence; EvalbMismatch says why it is an error sentence."""
+    gold_view = evalb_tree(gold)
+    if test is None:
+        return BracketCounts(sentences=1, skipped=1)
+    test_view = evalb_tree(test, gold_tags(gold))
+    if not test_view.words:
+        return BracketCounts(sentences=1, skipped=1)
+    if len(test_view.words) != len(gold_view.words):
+        raise EvalbMismatch(f"{len(test_view.words)} words against the gold tree's "
+                            f"{len(gold_view.words)} (traces and punctuation not counted)")
+    for position, (gold_word, test_word) in enumerate(zip(gold_view.words, test_view.words)):
+        if gold_word != test_word:
+            raise EvalbMismatch(f"word {position + 1} is {test_word!r}, the gold tree's is "
+                                f"{gold_word!r}")
+    matched = sum((gold_view.brackets & test_view.brackets).values())
+    gold_count, test_count = sum(gold_view.brackets.values()), sum(test_view.brackets.values())
+    # Crossing is counted over the test brackets (EVALB's, by Mike Collins): each test bracket
+    # that crosses any gold bracket, once per occurrence.
+    crossing = sum(count for bracket, count in test_view.brackets.items()
+                   if any(_crosses(bracket, other) for other in gold_view.brackets))
+    return BracketCounts(matched, gold_count, test_count, sentences=1,
+                         exact=int(matched == gold_count == test_count), crossing=crossing)
+
+
+def evalb_length(gold: Tree) -> int:
+    """The sentence length the cut-off looks at: the gold tree's terminals but -NONE-."""
+    return evalb_tree(gold).length

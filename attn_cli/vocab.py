@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from .files import AttnError, atomic_output, check_readable, read_lines
+from .files import STRICT, AttnError, Utf8Policy, atomic_output, check_readable, read_lines
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SPECIAL_PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
@@ -72,14 +72,16 @@ class Vocabulary:
         return self.processor.decode(ids)
 
 
-def sample_lines(paths: Iterable[str], sample_size: int, seed: int) -> tuple[list[str], int]:
+def sample_lines(paths: Iterable[str], sample_size: int, seed: int,
+                 policy: Utf8Policy = STRICT) -> tuple[list[str], int]:
     """Up to `sample_size` non-empty lines of the files, a uniform sample (reservoir sampling,
-    bounded memory) when there are more; in file order when all fit. Returns (lines, total)."""
+    bounded memory) when there are more; in file order when all fit. Returns (lines, total).
+    `policy`: what invalid UTF-8 does (an error by default)."""
     rng = random.Random(seed)
     reservoir: list[str] = []
     seen = 0
     for path in paths:
-        for line in read_lines(path):
+        for line in read_lines(path, policy):
             if not line.strip():
                 continue
             seen += 1

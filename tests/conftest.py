@@ -1,11 +1,22 @@
-"""Shared fixtures: a small slice of the bundled Multi30k data and a vocabulary learned on it."""
+"""Shared fixtures and the two ways tests call `attn`.
+
+`run_attn` calls the real entry point, `attn_cli.cli.main`, in this process with stdin, stdout
+and stderr of its own: the same parsing, dispatch and error handling as the console script,
+without a fresh interpreter's start (0.5-3 s each, depending on the machine). `run_attn_process`
+starts a real process, for what only a process shows: the console script, signals, a closed pipe,
+streaming, torchrun, and what a command imports.
+
+Tests that train share session fixtures (`tests/fixtures.py` trains each model once).
+"""
 
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -42,18 +53,65 @@ def spm_model(corpus, tmp_path_factory) -> Path:
     return out
 
 
-def run_attn(*args, stdin: str | bytes | None = None, cwd=None) -> subprocess.CompletedProcess:
-    """Run the real entry point (`python -m attn_cli`) in a subprocess."""
+@dataclass
+class Result:
+    """What a command did: its exit status and what it wrote (decoded as UTF-8)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class _Sink(io.BytesIO):
+    """A byte stream that outlives the text wrappers around it (commands wrap stdout's buffer in
+    a TextIOWrapper, which closes its buffer when it is collected)."""
+
+    def close(self) -> None:
+        pass
+
+
+def run_attn(*args, stdin: str | bytes | None = None) -> Result:
+    """`attn ARGS` through `attn_cli.cli.main`, in this process. Global state a command sets
+    (torch's thread count) is put back afterwards, so that tests stay independent."""
+    from attn_cli.cli import main
+
+    data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
+    out, err = _Sink(), _Sink()
+    saved = sys.stdin, sys.stdout, sys.stderr
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch else None
+    sys.stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8")
+    sys.stdout = io.TextIOWrapper(out, encoding="utf-8", write_through=True)
+    sys.stderr = io.TextIOWrapper(err, encoding="utf-8", write_through=True)
+    try:
+        main([str(arg) for arg in args])
+        returncode = 0
+    except SystemExit as exit_:
+        code = exit_.code
+        returncode = code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdin, sys.stdout, sys.stderr = saved
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_num_threads(threads or os.cpu_count() or 1)
+    return Result(returncode, out.getvalue().decode("utf-8", "replace"),
+                  err.getvalue().decode("utf-8", "replace"))
+
+
+def run_attn_process(*args, stdin: str | bytes | None = None, env: dict | None = None,
+                     timeout: float = 300) -> Result:
+    """`python -m attn_cli ARGS` in a real process."""
     data = stdin.encode() if isinstance(stdin, str) else stdin
-    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     completed = subprocess.run([sys.executable, "-m", "attn_cli", *map(str, args)], input=data,
-                               capture_output=True, cwd=cwd, env=environment, timeout=300)
-    completed.stdout = completed.stdout.decode("utf-8", "replace")
-    completed.stderr = completed.stderr.decode("utf-8", "replace")
-    return completed
+                               capture_output=True, env=environment, timeout=timeout)
+    return Result(completed.returncode, completed.stdout.decode("utf-8", "replace"),
+                  completed.stderr.decode("utf-8", "replace"))
 
 
-def assert_clean_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+def assert_clean_error(result: Result, *fragments: str) -> None:
     """Exit 2, one `error: ...` line on stderr naming what is wrong, no traceback, no stdout."""
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr, result.stderr
@@ -62,3 +120,74 @@ def assert_clean_error(result: subprocess.CompletedProcess, *fragments: str) -> 
     for fragment in fragments:
         assert fragment in error_lines[0], (fragment, error_lines[0])
     assert result.stdout == ""
+
+
+# ------------------------------------------------------------------- trained once per session
+
+
+@pytest.fixture(scope="session")
+def data_files(corpus, spm_model, tmp_path_factory) -> tuple[Path, Path]:
+    """The corpus binarized with the shared vocabulary: (train.st, valid.st)."""
+    directory = tmp_path_factory.mktemp("data")
+    for name, (src, tgt) in {"train.st": ("train.en", "train.de"),
+                             "valid.st": ("val.en", "val.de")}.items():
+        result = run_attn("binarize", "--vocab", spm_model, corpus[src], corpus[tgt], "-o",
+                          directory / name)
+        assert result.returncode == 0, result.stderr
+    return directory / "train.st", directory / "valid.st"
+
+
+@pytest.fixture(scope="session")
+def trained(data_files, tmp_path_factory) -> tuple[Path, float]:
+    """A tiny model trained for a few steps (its translations are poor; the plumbing is real),
+    with the validation perplexity training measured."""
+    import json
+
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    result = run_attn("train", data_files[0], "-o", run_dir, "--preset", "tiny", "--max-steps",
+                      "40", "--valid", data_files[1], "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_dir / "checkpoint-40.st", rows[-1]["valid_ppl"]
+
+
+def _train_parser(terminals: str, directory: Path) -> Path:
+    """A tiny parser trained on toy trees (tests/toys.py) through the real commands."""
+    from .toys import toy_treebank
+
+    (directory / "train.mrg").write_text(toy_treebank(600, seed=1), encoding="utf-8")
+    (directory / "dev.mrg").write_text(toy_treebank(30, seed=2), encoding="utf-8")
+    for split in ("train", "dev"):
+        result = run_attn("parse", "linearize", directory / f"{split}.mrg", "-o",
+                          directory / split, "--terminals", terminals)
+        assert result.returncode == 0, result.stderr
+    steps = [
+        ("vocab", directory / "train.src", directory / "train.tgt", "-o",
+         directory / "spm.model", "--size", "60", "--symbols", directory / "train.symbols"),
+        ("binarize", "--vocab", directory / "spm.model", directory / "train.src",
+         directory / "train.tgt", "-o", directory / "train.st"),
+        ("train", directory / "train.st", "-o", directory / "run", "--preset", "tiny",
+         "--max-steps", PARSER_STEPS, "--batch-tokens", "1500", "--warmup", "100",
+         "--lr-scale", "0.3", "--save-every", PARSER_STEPS, "--log-every", PARSER_STEPS,
+         "--device", "cpu"),
+        ("average", directory / "run", "--last", "1", "-o", directory / "parser.st"),
+    ]
+    for step in steps:
+        result = run_attn(*step)
+        assert result.returncode == 0, (step[0], result.stderr)
+    return directory
+
+
+PARSER_STEPS = "600"
+
+
+@pytest.fixture(scope="session")
+def word_parser(tmp_path_factory) -> Path:
+    """The directory of a parser whose trees spell their terminals as words."""
+    return _train_parser("words", tmp_path_factory.mktemp("parser-words"))
+
+
+@pytest.fixture(scope="session")
+def placeholder_parser(tmp_path_factory) -> Path:
+    """The directory of a parser with placeholder terminals (XX), the paper's setup."""
+    return _train_parser("placeholders", tmp_path_factory.mktemp("parser-placeholders"))

@@ -80,18 +80,7 @@ def test_batch_plan_keeps_the_global_batch_whatever_the_world_size():
     assert one.accumulation == 8 and one.micro_batches_per_step == eight.micro_batches_per_step
 
 
-# ------------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def data_files(corpus, spm_model, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("train-data")
-    for name, (src, tgt) in {"train.st": ("train.en", "train.de"),
-                             "valid.st": ("val.en", "val.de")}.items():
-        result = run_attn("binarize", "--vocab", spm_model, corpus[src], corpus[tgt], "-o",
-                          directory / name)
-        assert result.returncode == 0, result.stderr
-    return directory / "train.st", directory / "valid.st"
+# ------------------------------------------------------------------------------- helpers
 
 
 def train_args(train_st, run_dir, *extra):
