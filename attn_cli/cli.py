@@ -452,8 +452,8 @@ def parse(
     strict: bool = typer.Option(False, "--strict", help=STRICT_HELP),
 ) -> None:
     """Constituency parsing with the same model (paper §6.3): one tokenized sentence per line in,
-    one well-formed bracketed tree per line out, always (an empty line for an empty line). `attn parse linearize` makes the
-    training pairs from a treebank."""
+    one well-formed bracketed tree per line out, always (an empty line for an empty line).
+    `attn parse linearize` makes the training pairs from a treebank."""
     if context.invoked_subcommand is not None:
         return
     if model_path is None:

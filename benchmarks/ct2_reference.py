@@ -31,8 +31,8 @@ from ctranslate2.specs import transformer_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from attn_cli.modelfile import load_model  # noqa: E402
-from attn_cli.vocab import Vocabulary  # noqa: E402
 from attn_cli.translate import token_budget_batches  # noqa: E402
+from attn_cli.vocab import Vocabulary  # noqa: E402
 
 TEST_SET = Path(__file__).resolve().parent.parent / "examples/multi30k/data/test_2016_flickr.en.gz"
 MAX_SOURCE = 1023  # attn's source limit (sinusoidal positions), EOS not counted

@@ -155,6 +155,7 @@ def _train_parser(terminals: str, directory: Path) -> Path:
     """A tiny parser trained on toy trees (tests/toys.py) through the real commands."""
     from .toys import toy_treebank
 
+    steps = PARSER_STEPS[terminals]
     (directory / "train.mrg").write_text(toy_treebank(600, seed=1), encoding="utf-8")
     (directory / "dev.mrg").write_text(toy_treebank(30, seed=2), encoding="utf-8")
     for split in ("train", "dev"):
@@ -167,8 +168,8 @@ def _train_parser(terminals: str, directory: Path) -> Path:
         ("binarize", "--vocab", directory / "spm.model", directory / "train.src",
          directory / "train.tgt", "-o", directory / "train.st"),
         ("train", directory / "train.st", "-o", directory / "run", "--preset", "tiny",
-         "--max-steps", PARSER_STEPS, "--batch-tokens", "1500", "--warmup", "100",
-         "--lr-scale", "0.3", "--save-every", PARSER_STEPS, "--log-every", PARSER_STEPS,
+         "--max-steps", steps, "--batch-tokens", "1500", "--warmup", "100",
+         "--lr-scale", "0.3", "--save-every", steps, "--log-every", steps,
          "--device", "cpu"),
         ("average", directory / "run", "--last", "1", "-o", directory / "parser.st"),
     ]
@@ -178,7 +179,9 @@ def _train_parser(terminals: str, directory: Path) -> Path:
     return directory
 
 
-PARSER_STEPS = "600"
+# Steps each kind of parser trains for: the word parser reaches dev F1 95-100 by step 400, the
+# placeholder parser (which must also count the words) 61-73 by step 600 (AVX-512 and AVX2).
+PARSER_STEPS = {"words": "400", "placeholders": "600"}
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""The command line as users and Makefiles see it: the real entry point, in subprocesses."""
+"""The command line as users and Makefiles see it: the real entry point, in-process (and in a
+real process where that is the point)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,11 @@ def test_unknown_option_is_a_one_line_usage_error():
 
 def test_missing_required_option():
     assert_clean_error(run_attn("binarize", "a", "b"), "--vocab")
+
+
+def test_train_help_lists_every_preset():
+    from attn_cli.config import PRESETS
+
+    text = "".join(run_attn("train", "--help").stdout.split())  # however the help is wrapped
+    listed = text.split("Architectureandrecipe:")[1].split("(base-A1")[0]
+    assert listed.split(",") == list(PRESETS)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import subprocess
 import sys
@@ -15,7 +14,6 @@ import torch
 from attn_cli.config import PRESETS
 from attn_cli.model import DecoderCache, Transformer, grow_cache
 from attn_cli.search import (
-    Hypothesis,
     beam_search,
     can_stop,
     length_penalty,

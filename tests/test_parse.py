@@ -53,9 +53,15 @@ def test_parse_writes_one_tree_per_line_and_learns_the_grammar(parser, constrain
     scored = run_attn("score", "--trees", "--ref", work / "dev.mrg", work / "dev.parsed")
     assert scored.returncode == 0, scored.stderr
     f1 = float(scored.stdout.split("F1 ")[1].split()[0])
-    # A grammar this regular is learned in a few hundred steps when the decoder sees the words
-    # (F1 ~90 measured); with placeholders it must also count them and learns slower (~75-80).
-    assert f1 >= (80.0 if terminals == "words" else 55.0), scored.stdout
+    # A grammar this regular is learned in a few hundred steps when the decoder sees the words;
+    # with placeholders it must also count them and learns slower. How far each gets depends on
+    # the CPU's kernels: measured dev F1 95-100 (words, 400 steps) and 61-73 (placeholders, 600
+    # steps) on AVX-512 and forced-AVX2 kernels, with and without --constrain. The bounds keep a
+    # margin of 15-20 points under the lowest of those.
+    assert f1 >= MIN_F1[terminals], scored.stdout
+
+
+MIN_F1 = {"words": 80.0, "placeholders": 40.0}
 
 
 def test_parse_detects_the_terminals_and_refuses_unknown_ones(parser):

@@ -24,6 +24,7 @@ from attn_cli.model import Transformer
 from attn_cli.modelfile import load_model
 
 from .conftest import assert_clean_error, run_attn
+from .toys import reversal_pairs
 
 # ------------------------------------------------------------------------- recipe, by formula
 
@@ -364,16 +365,17 @@ def test_average_of_an_empty_directory(tmp_path):
 
 
 def test_learns_to_reverse_sequences(tmp_path):
-    """A tiny model learns a toy task (reverse a sequence of letters) to near-zero loss."""
-    rng = np.random.default_rng(0)
-    letters = list("abcdefghij")
-    src_lines, tgt_lines = [], []
-    for _ in range(2000):
-        word = [letters[i] for i in rng.integers(0, len(letters), rng.integers(3, 8))]
-        src_lines.append(" ".join(word))
-        tgt_lines.append(" ".join(reversed(word)))
-    (tmp_path / "src.txt").write_text("\n".join(src_lines) + "\n")
-    (tmp_path / "tgt.txt").write_text("\n".join(tgt_lines) + "\n")
+    """A tiny model learns a toy task (reverse a sequence of letters) through the real commands:
+    its greedy outputs on sequences it never saw are the reversals.
+
+    How fast it gets there depends on the seed and on the CPU's kernels (AVX2 and AVX-512 round
+    differently, and 600 steps of Adam amplify that). Over seeds 1-3, on AVX-512 and on forced
+    AVX2 kernels, held-out exact match measured 0.70-0.95 and validation NLL 0.03-0.13 (seed 1:
+    0.88-0.91 and 0.04). The bounds below leave a wide margin (3x on the NLL) and stay far from
+    what an untrained or broken model gets (exact match 0, NLL above 1.5)."""
+    sources, targets = reversal_pairs(2000, seed=0)
+    (tmp_path / "src.txt").write_text("\n".join(sources) + "\n")
+    (tmp_path / "tgt.txt").write_text("\n".join(targets) + "\n")
     assert run_attn("vocab", tmp_path / "src.txt", "-o", tmp_path / "v.model", "--size", "24",
                     "--type", "unigram").returncode == 0
     assert run_attn("binarize", "--vocab", tmp_path / "v.model", tmp_path / "src.txt",
@@ -388,4 +390,15 @@ def test_learns_to_reverse_sequences(tmp_path):
 
     rows = [json.loads(line) for line in
             (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["valid_nll"] < 0.05, rows[-1]
+    assert rows[-1]["valid_nll"] < REVERSAL_MAX_NLL, rows[-1]
+    held_out, expected = reversal_pairs(200, seed=99)
+    decoded = run_attn("decode", "-m", tmp_path / "run" / "checkpoint-600.st", "--beam", "1",
+                       stdin="\n".join(held_out) + "\n")
+    assert decoded.returncode == 0, decoded.stderr
+    outputs = decoded.stdout.splitlines()
+    exact = sum(output == target for output, target in zip(outputs, expected)) / len(expected)
+    assert exact >= REVERSAL_MIN_EXACT, (exact, list(zip(held_out, outputs))[:10])
+
+
+REVERSAL_MAX_NLL = 0.4
+REVERSAL_MIN_EXACT = 0.5

@@ -182,7 +182,8 @@ def test_evalb_error_and_skip_sentences():
         evalb("(S (NN a) (NN b))", "(S (XX a) (. b))")
 
 
-GOLD_THREE = """( (S (NP (DT The) (NN cat)) (VP (VBD sat) (PP (IN on) (NP (DT the) (NN mat)))) (. .)) )
+GOLD_THREE = """\
+( (S (NP (DT The) (NN cat)) (VP (VBD sat) (PP (IN on) (NP (DT the) (NN mat)))) (. .)) )
 ( (S (NP (PRP It)) (VP (VBD purred)) (. .)) )
 ( (S (NP (NNS Dogs)) (VP (VBP bark)) (. .)) )
 """
