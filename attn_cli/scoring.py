@@ -142,7 +142,8 @@ def tree_scores(gold_path: str, test_path: str, sentence_level: bool = False,
     """EVALB (COLLINS.prm) over a gold treebank and one test tree per line: two summary lines
     (all sentences, and those of ≤ 40 words), or one `precision recall f1` line per tree (nan
     for an error or skip sentence). Error sentences are reported through `warn`; more than
-    `max_errors` of them is an error, as in EVALB."""
+    `max_errors` of them is an error (EVALB's MAX_ERROR, which EVALB itself checks against its
+    count of error messages, stopping one sentence later)."""
     from .trees import (
         CUTOFF_LENGTH,
         BracketCounts,
