@@ -8,7 +8,7 @@ import pytest
 
 from attn_cli.files import Utf8Policy
 
-from .conftest import assert_clean_error, run_attn
+from .conftest import assert_clean_error, run_attn, run_attn_process
 
 # Eight lines, the sixth with "café" in Latin-1 (0xE9 alone is not UTF-8), the third empty.
 LINES = [b"a man is riding a bike", b"two dogs play", b"", b"a woman sings", b"a red car",
@@ -184,3 +184,15 @@ def test_training_data_needs_the_option_to_be_repaired(spm_model, tmp_path):
     vocab = run_attn("vocab", tgt, "-o", tmp_path / "v.model", "--size", "20",
                      "--replace-invalid")
     assert vocab.returncode == 0 and len(warnings(vocab.stderr)) == 1, vocab.stderr
+
+
+def test_a_real_process_reading_a_pipe_keeps_every_line(trained):
+    """The same through a real process, whose stdin is read from its file descriptor."""
+    model, _ = trained
+    options = ["decode", "-m", model, "--beam", "1", "--max-len-b", "3"]
+    lenient = run_attn_process(*options, stdin=BAD_STDIN)
+    assert lenient.returncode == 0 and lenient.stdout.count("\n") == len(LINES)
+    assert warnings(lenient.stderr) == [WARNING]
+    strict = run_attn_process(*options, "--strict", stdin=BAD_STDIN)
+    assert_error_after_the_lines_before(strict, "".join(lenient.stdout.splitlines(True)[:5]),
+                                        "<stdin>:6: invalid UTF-8")
