@@ -461,9 +461,9 @@ def parse(
     from .devices import inference_dtype, pick_device
     from .files import display_name, open_binary
     from .modelfile import load_model
-    from .parsing import model_terminals, tree_constraint_for, tree_line
-    from .search import TreeConstraint
+    from .parsing import tree_line
     from .translate import DecodeOptions, Translator, run
+    from .tree_search import TreeConstraint, model_terminals, tree_constraint_for
     from .trees import TERMINALS
 
     if terminals not in ("auto", *TERMINALS):

@@ -1,14 +1,14 @@
 """`attn parse`: sentences in, one well-formed tree per line out (§6.3), and the training pairs
-`attn parse linearize` makes from a treebank."""
+`attn parse linearize` makes from a treebank. No torch here (the constrained search is in
+tree_search.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .files import atomic_output
-from .search import Hypothesis
 from .trees import (
-    PLACEHOLDER,
     ROOT,
     Tree,
     clean,
@@ -17,8 +17,10 @@ from .trees import (
     linearize,
     merge_unary_repeats,
     read_treebank,
-    terminal_word,
 )
+
+if TYPE_CHECKING:  # torch stays out of `attn parse linearize`
+    from .search import Hypothesis
 
 
 def tree_line(translator, line: str, hypotheses: list[Hypothesis]) -> str:
@@ -29,36 +31,6 @@ def tree_line(translator, line: str, hypotheses: list[Hypothesis]) -> str:
         return ""
     sequence = translator.detokenize(hypotheses[:1])[0]
     return str(merge_unary_repeats(delinearize(sequence, words)))
-
-
-def model_terminals(loaded) -> str:
-    """How the parser's training trees spelled their terminals: a model trained on placeholders
-    has the placeholder as one piece of its vocabulary (a bracket symbol of `attn vocab
-    --symbols`); one trained on words does not."""
-    processor = loaded.tgt_vocab.processor
-    placeholder = processor.piece_to_id("\u2581" + PLACEHOLDER)
-    return "placeholders" if placeholder != processor.unk_id() else "words"
-
-
-def tree_constraint_for(loaded, terminals: str, score_words: str = "given"):
-    """A function making the search constraint of `attn parse --constrain` for a batch: with
-    placeholder terminals, as many placeholders as words; with word terminals, exactly the
-    input's pieces, in order, scored as `score_words` says (see `TreeConstraint`)."""
-    from .search import TreeConstraint
-
-    processor = loaded.tgt_vocab.processor
-    pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
-    placeholder = PLACEHOLDER if terminals == "placeholders" else None
-    template = TreeConstraint.for_pieces(pieces, loaded.config.eos_id, [],
-                                         placeholder=placeholder, score_words=score_words)
-
-    def make(lines: list[str]) -> TreeConstraint:
-        if placeholder is not None:
-            return template.for_batch([len(line.split()) for line in lines])
-        spelled = [" ".join(terminal_word(word) for word in line.split()) for line in lines]
-        required = loaded.tgt_vocab.encode(spelled)
-        return template.for_batch([len(ids) for ids in required], required)
-    return make
 
 
 def write_training_pairs(treebank_files: list[str], prefix: str,

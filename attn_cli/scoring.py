@@ -144,15 +144,7 @@ def tree_scores(gold_path: str, test_path: str, sentence_level: bool = False,
     for an error or skip sentence). Error sentences are reported through `warn`; more than
     `max_errors` of them is an error (EVALB's MAX_ERROR, which EVALB itself checks against its
     count of error messages, stopping one sentence later)."""
-    from .trees import (
-        CUTOFF_LENGTH,
-        BracketCounts,
-        EvalbMismatch,
-        evalb_length,
-        evalb_sentence,
-        read_treebank,
-        read_trees,
-    )
+    from .trees import CUTOFF_LENGTH, BracketCounts, EvalbMismatch, evalb_length, read_treebank
 
     warn = warn or (lambda message: None)
     gold = list(read_treebank([gold_path]))
@@ -170,20 +162,14 @@ def tree_scores(gold_path: str, test_path: str, sentence_level: bool = False,
                 gold_length = evalb_length(gold_tree)
             except EvalbMismatch as error:
                 raise AttnError(f"{display_name(gold_path)}: tree {number}: {error}") from None
-            try:
-                trees = list(read_trees(line, f"{name}:{number}"))
-                if len(trees) > 1:
-                    raise EvalbMismatch(f"{len(trees)} trees on one line")
-                counts = evalb_sentence(gold_tree, trees[0] if trees else None)
-            except (AttnError, EvalbMismatch) as error:
-                reason = str(error).removeprefix(f"{name}:{number}: ")
+            counts, reason = score_tree_line(gold_tree, line, f"{name}:{number}")
+            if reason is not None:
                 error_lines.append(number)
                 if len(error_lines) > max_errors:
                     raise AttnError(f"{name}:{number}: {reason}; that is {len(error_lines)} "
                                     f"error sentences, more than --max-errors {max_errors}"
                                     ) from None
                 warn(f"score: {name}:{number}: error sentence, not scored: {reason}")
-                counts = BracketCounts(sentences=1, errors=1)
             total.add(counts)
             if gold_length <= CUTOFF_LENGTH:
                 short.add(counts)
@@ -202,3 +188,17 @@ def tree_scores(gold_path: str, test_path: str, sentence_level: bool = False,
                    f"|errors:{counts.errors}|skipped:{counts.skipped} = F1 {counts.f1:.2f} "
                    f"P {counts.precision:.2f} R {counts.recall:.2f} "
                    f"EX {counts.exact_match:.2f} CB {counts.average_crossing:.2f}")
+
+
+def score_tree_line(gold, line: str, where: str):
+    """(counts, None) for one test line against its gold tree, or (an error sentence's counts,
+    why) when the line is not one tree over the gold's words."""
+    from .trees import BracketCounts, EvalbMismatch, evalb_sentence, read_trees
+
+    try:
+        trees = list(read_trees(line, where))
+        if len(trees) > 1:
+            raise EvalbMismatch(f"{len(trees)} trees on one line")
+        return evalb_sentence(gold, trees[0] if trees else None), None
+    except (AttnError, EvalbMismatch) as error:
+        return BracketCounts(sentences=1, errors=1), str(error).removeprefix(f"{where}: ")

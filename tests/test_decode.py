@@ -14,10 +14,17 @@ import torch
 from attn_cli.config import PRESETS
 from attn_cli.model import DecoderCache, Transformer, grow_cache
 from attn_cli.search import (
+    Beams,
+    Finished,
+    Hypothesis,
     beam_search,
     can_stop,
+    first_not_ending,
     length_penalty,
     max_output_length,
+    only_eos_at_limit,
+    output_limits,
+    sentences_done,
     topk_blocked,
     topk_over_beams,
 )
@@ -70,6 +77,80 @@ def test_can_stop_only_when_no_live_hypothesis_can_win():
     # -10 / 1.73 = -5.78: it could still beat -6.0, not -5.5
     assert can_stop(torch.tensor([-6.0, -5.5]), torch.tensor([-10.0, -10.0]),
                     torch.tensor([10, 10]), alpha=0.6).tolist() == [False, True]
+
+
+def test_output_limits_count_the_source_without_eos_and_cap_at_longest():
+    src = torch.tensor([[5, 6, 7, 3], [5, 3, 0, 0]])  # 3 and 1 words, EOS, padding 0
+    assert output_limits(src, 0, 1.0, 50, None).tolist() == [53, 51]
+    assert output_limits(src, 0, 2.0, 1, 52).tolist() == [7, 3]
+    assert output_limits(src, 0, 1.0, 50, 52).tolist() == [52, 51]
+
+
+def test_only_eos_at_the_limit_keeps_eos_log_prob():
+    log_probs = torch.log_softmax(torch.randn(2, 3, 5, generator=torch.Generator(
+        ).manual_seed(1)), dim=-1)
+    expected_eos = log_probs[1, :, 3].clone()
+    untouched = log_probs[0].clone()
+    only_eos_at_limit(log_probs, torch.tensor([False, True]), eos=3)
+    assert torch.equal(log_probs[0], untouched)
+    assert torch.equal(log_probs[1, :, 3], expected_eos)
+    assert (log_probs[1, :, [0, 1, 2, 4]] == -math.inf).all()
+
+
+def test_first_not_ending_keeps_rank_order():
+    ends = torch.tensor([[True, False, False, True, False, False],
+                         [False, False, False, False, True, True]])
+    assert first_not_ending(ends, 3).tolist() == [[1, 2, 4], [0, 1, 2]]
+
+
+def test_sentences_done_for_greedy_beam_and_exhaustion():
+    scores = torch.tensor([[-1.0, -2.0], [-math.inf, -math.inf], [-30.0, -40.0]])
+    kth_best = torch.tensor([-math.inf, -math.inf, -1.0])
+    limits = torch.tensor([10, 10, 10])
+    # No live hypothesis (row 1) is always done; row 2 cannot beat -1.0 any more.
+    assert sentences_done(scores, kth_best, limits, 0.6, 2, True).tolist() == [False, True, True]
+    assert sentences_done(scores, kth_best, limits, 0.6, 2, False).tolist() == [False, True,
+                                                                                 False]
+    # Greedy: done as soon as one hypothesis finished.
+    assert sentences_done(scores[:, :1], kth_best, limits, 0.6, 1, True).tolist() == [
+        False, True, True]
+
+
+def test_finished_collects_eos_among_the_first_k_and_tracks_the_nth_best():
+    live = Beams(scores=torch.zeros(1, 2), tokens=torch.tensor([[7, 8]]),
+                 history=torch.tensor([[[5, 7], [6, 8]]]), active=torch.tensor([0]))
+    finished = Finished(batch=1, nbest=2, device="cpu")
+    best = torch.tensor([[-1.0, -2.0, -3.0, -4.0]])
+    origin = torch.tensor([[1, 0, 0, 1]])
+    ends = torch.tensor([[True, False, True, True]])  # EOS at ranks 0, 2, 3: only rank 0 is
+    finished.collect(best, origin, ends, live, beam=2, penalty=2.0)  # among the first K = 2
+    assert finished.hypotheses[0] == [Hypothesis([6, 8], -0.5, -1.0)]
+    assert finished.kth_best[0] == -math.inf  # one of the two asked for
+    finished.collect(torch.tensor([[-3.0, -1.0, -5.0, -6.0]]), torch.tensor([[0, 0, 1, 1]]),
+                     torch.tensor([[True, False, False, False]]), live, beam=2, penalty=1.5)
+    assert finished.kth_best[0] == pytest.approx(-2.0)
+    assert [h.tokens for h in finished.best()[0]] == [[6, 8], [5, 7]]
+    assert Finished(batch=1, nbest=1, device="cpu").best() == [[Hypothesis([], -math.inf,
+                                                                           -math.inf)]]
+
+
+def test_beams_advance_drops_done_sentences_and_reorders_the_cache():
+    class Cache:
+        def reorder(self, rows, sources):
+            self.rows, self.sources = rows, sources
+            return self
+
+    live = Beams(scores=torch.zeros(3, 2), tokens=torch.zeros(3, 2, dtype=torch.long),
+                 history=torch.tensor([[[1], [2]], [[3], [4]], [[5], [6]]]),
+                 active=torch.tensor([4, 5, 6]))
+    kept = torch.tensor([0, 2])
+    parents = torch.tensor([[1, 1], [0, 0], [1, 0]])
+    tokens = torch.tensor([[10, 11], [12, 13], [14, 15]])
+    cache = Cache()
+    after, _ = live.advance(torch.zeros(3, 2), parents, tokens, kept, cache)
+    assert after.active.tolist() == [4, 6]
+    assert after.history.tolist() == [[[2, 10], [2, 11]], [[6, 14], [5, 15]]]
+    assert cache.rows.tolist() == [1, 1, 5, 4] and torch.equal(cache.sources, kept)
 
 
 # ---------------------------------------------------------------- a model with set probabilities
@@ -365,7 +446,7 @@ def test_score_does_not_import_torch(corpus):
 
 
 def test_tree_constraint_gives_balanced_trees_with_the_word_count():
-    from attn_cli.search import TreeConstraint
+    from attn_cli.tree_search import TreeConstraint
 
     pieces = ["<pad>", "<unk>", "<s>", "</s>", "\u2581XX", "\u2581(S", "\u2581)S", "\u2581(NP",
               "\u2581)NP", "junk"]

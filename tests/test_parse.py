@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from attn_cli.search import TreeConstraint, beam_search
+from attn_cli.search import beam_search
+from attn_cli.tree_search import TreeConstraint
 from attn_cli.trees import Tree, delinearize, linearize, read_trees
 
 from .conftest import assert_clean_error, run_attn

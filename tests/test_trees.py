@@ -280,3 +280,20 @@ def test_linearize_command_and_tree_scoring(tmp_path):
 
 def test_parse_without_model_is_a_clean_error():
     assert_clean_error(run_attn("parse", stdin="a b\n"), "-m")
+
+
+@pytest.mark.parametrize("argv", [["parse", "linearize", "{treebank}", "-o", "{prefix}"],
+                                  ["score", "--trees", "--ref", "{treebank}", "{treebank}"]])
+def test_tree_commands_do_not_import_torch(argv, tmp_path):
+    """Linearizing a treebank and scoring trees are text work: instant, torch-free."""
+    import subprocess
+    import sys
+
+    treebank = tmp_path / "tiny.mrg"
+    treebank.write_text("(TOP (S (NP (DT a) (NN cat)) (VP (VBZ sleeps))))\n", encoding="utf-8")
+    argv = [arg.format(treebank=treebank, prefix=tmp_path / "pairs") for arg in argv]
+    code = ("import sys; from attn_cli.cli import main\n"
+            f"try:\n    main({argv!r})\nexcept SystemExit as exit_:\n    assert not exit_.code\n"
+            "print('torch' in sys.modules, file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stderr.strip().splitlines()[-1] == "False", result.stderr

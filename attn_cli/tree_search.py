@@ -1,0 +1,183 @@
+"""The search constraint of `attn parse --constrain`: hypotheses that are well-formed linearized
+trees over exactly the input's words (not in the paper, which repairs the output afterwards), and
+how a parser model's vocabulary spells its terminals. Plugs into `search.beam_search` through its
+`Constraint` protocol."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .trees import PLACEHOLDER, terminal_word
+
+
+def model_terminals(loaded) -> str:
+    """How the parser's training trees spelled their terminals: a model trained on placeholders
+    has the placeholder as one piece of its vocabulary (a bracket symbol of `attn vocab
+    --symbols`); one trained on words does not."""
+    processor = loaded.tgt_vocab.processor
+    placeholder = processor.piece_to_id("\u2581" + PLACEHOLDER)
+    return "placeholders" if placeholder != processor.unk_id() else "words"
+
+
+def tree_constraint_for(loaded, terminals: str, score_words: str = "given"):
+    """A function making the search constraint of `attn parse --constrain` for a batch: with
+    placeholder terminals, as many placeholders as words; with word terminals, exactly the
+    input's pieces, in order, scored as `score_words` says (see `TreeConstraint`)."""
+    processor = loaded.tgt_vocab.processor
+    pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
+    placeholder = PLACEHOLDER if terminals == "placeholders" else None
+    template = TreeConstraint.for_pieces(pieces, loaded.config.eos_id, [],
+                                         placeholder=placeholder, score_words=score_words)
+
+    def make(lines: list[str]) -> TreeConstraint:
+        if placeholder is not None:
+            return template.for_batch([len(line.split()) for line in lines])
+        spelled = [" ".join(terminal_word(word) for word in line.split()) for line in lines]
+        required = loaded.tgt_vocab.encode(spelled)
+        return template.for_batch([len(ids) for ids in required], required)
+    return make
+
+
+class TreeConstraint:
+    """Search constraint for linearized trees (an option of `attn parse`, not in the paper):
+    exactly one terminal per word (per piece of the sentence, in order, when the terminals are
+    the words themselves, and brackets only between words, never inside one), closing brackets
+    only inside an open one and never right after it (no empty constituent), EOS only when
+    every terminal is placed and every bracket closed, nothing but brackets and terminals. The
+    state per hypothesis is (terminals emitted, open brackets, opening brackets in a row)."""
+
+    NEVER, TERMINAL, OPEN, CLOSE, END = range(5)
+    WORD_SCORES = ("given", "joint")
+    # Opening brackets in a row (a unary chain and the phrases it starts): at most 6 in the
+    # Penn Treebank sample; the bound keeps a search from stalling on brackets alone.
+    MAX_OPEN_RUN = 8
+
+    def __init__(self, piece_classes: Tensor, word_counts: list[int],
+                 required: list[list[int]] | None = None,
+                 piece_starts_word: Tensor | None = None, score_words: str = "given"):
+        self.piece_classes = piece_classes  # (V,) long: the class of every vocabulary piece
+        self.piece_starts_word = piece_starts_word  # (V,) bool: the piece begins a word
+        # With word terminals the input fixes the words; only the brackets are to be found.
+        # "given" scores a word by the model's probability of *a* word at that point (a word's
+        # first piece: the mass of every word-starting piece; its other pieces: 1), so a model
+        # unsure *which* word comes next is not pushed into brackets it does not believe in.
+        # "joint" scores the input's own pieces, p(tree and words).
+        self.score_words = score_words
+        self.word_counts = word_counts  # terminals per sentence of the batch
+        self.required = None  # (B, longest + 1): each sentence's terminal pieces, padded
+        self.boundary = None  # (B, longest + 1): a bracket may come before that piece
+        if required is not None:
+            width = max(map(len, required), default=0) + 1
+            self.required = torch.zeros(len(required), width, dtype=torch.long)
+            self.boundary = torch.ones(len(required), width, dtype=torch.bool)
+            for row, ids in enumerate(required):
+                pieces = torch.tensor(ids, dtype=torch.long)
+                self.required[row, :len(ids)] = pieces
+                if piece_starts_word is not None:
+                    self.boundary[row, :len(ids)] = piece_starts_word[pieces]
+
+    @classmethod
+    def for_pieces(cls, pieces: list[str], eos_id: int, word_counts: list[int],
+                   placeholder: str | None = "XX", required: list[list[int]] | None = None,
+                   score_words: str = "given") -> "TreeConstraint":
+        """Classes from the pieces' spelling. `placeholder` None: the terminals are words, and
+        every piece that is not a bracket may be one."""
+        classes = []
+        for piece in pieces:
+            text = piece.lstrip("\u2581")
+            if text.startswith("(") and len(text) > 1:
+                classes.append(cls.OPEN)
+            elif text.startswith(")"):
+                classes.append(cls.CLOSE)
+            elif placeholder is None or text == placeholder:
+                classes.append(cls.TERMINAL)
+            else:
+                classes.append(cls.NEVER)
+        classes[eos_id] = cls.END
+        starts_word = torch.tensor([piece.startswith("\u2581") for piece in pieces])
+        return cls(torch.tensor(classes), word_counts, required, starts_word, score_words)
+
+    def for_batch(self, word_counts: list[int],
+                  required: list[list[int]] | None = None) -> "TreeConstraint":
+        """The same vocabulary's constraint for another batch of sentences."""
+        return TreeConstraint(self.piece_classes, word_counts, required, self.piece_starts_word,
+                              self.score_words)
+
+    def start(self, batch: int, beam: int, device) -> tuple[Tensor, Tensor, Tensor]:
+        self.piece_classes = self.piece_classes.to(device)
+        self.word_count_of = torch.tensor(self.word_counts, dtype=torch.long, device=device)
+        if self.required is not None:
+            self.required = self.required.to(device)
+            self.boundary = self.boundary.to(device)
+        if self.piece_starts_word is not None:  # the pieces `rescore` sums over
+            self.word_starts = ((self.piece_classes == self.TERMINAL)
+                                & self.piece_starts_word.to(device))
+        zeros = torch.zeros(batch, beam, dtype=torch.long, device=device)
+        return zeros, zeros.clone(), zeros.clone()
+
+    def rescore(self, log_probs: Tensor, state: tuple[Tensor, Tensor, Tensor],
+                active: Tensor) -> Tensor:
+        """(B', K, V) log-probabilities with the next input piece scored as `score_words` says
+        (in place; unchanged for placeholder terminals or "joint")."""
+        if self.required is None or self.score_words == "joint":
+            return log_probs
+        placed = state[0].clamp(max=self.required.shape[1] - 1)  # (B', K)
+        next_piece = self.required[active].gather(1, placed).unsqueeze(-1)
+        starts = self.boundary[active].gather(1, placed)
+        any_word = torch.logsumexp(log_probs[..., self.word_starts], dim=-1)  # (B', K)
+        given = torch.where(starts, any_word, torch.zeros_like(any_word)).unsqueeze(-1)
+        # Past the last word the "next piece" is padding: it keeps its own (banned) score.
+        missing = (state[0] < self.word_count_of[active].unsqueeze(-1)).unsqueeze(-1)
+        given = torch.where(missing, given, log_probs.gather(-1, next_piece))
+        return log_probs.scatter_(-1, next_piece, given)
+
+    def allowed(self, state: tuple[Tensor, Tensor, Tensor], active: Tensor,
+                steps_left: Tensor) -> Tensor:
+        """(B', K, V) True where a token may come next. `active` (B'): the sentence of each
+        row; `steps_left` (B',): the tokens that may still follow this one; every choice must
+        leave room to place the missing terminals, close the open brackets and end."""
+        placed, depth, opened = state  # (B', K); opened: opening brackets since the last token
+        words = self.word_count_of[active].unsqueeze(-1)
+        missing = words - placed
+        room = steps_left.unsqueeze(-1)
+        between_words = True
+        if self.required is not None:  # within a word of several pieces: no bracket
+            between_words = self.boundary[active].gather(1, placed.clamp(
+                max=self.boundary.shape[1] - 1))  # (B', K)
+        by_class = torch.stack([
+            torch.zeros_like(depth, dtype=torch.bool),  # anything else: never
+            (missing > 0) & (missing + depth <= room),  # a terminal
+            (missing > 0) & (missing + depth + 2 <= room) & between_words
+            & (opened < self.MAX_OPEN_RUN),  # an opening bracket
+            # a closing one, never right after an opening one: no empty constituent
+            (depth > 0) & (missing + depth <= room) & between_words & (opened == 0),
+            (missing <= 0) & (depth == 0),  # the end
+        ], dim=-1)  # (B', K, classes)
+        stuck = ~by_class.any(dim=-1, keepdim=True)  # out of room: let the repair cope
+        by_class = by_class | (stuck & torch.tensor([False, True, False, True, True],
+                                                    device=depth.device))
+        allowed = by_class[..., self.piece_classes]  # (B', K, V)
+        if self.required is not None:  # of the terminals, only the sentence's next piece
+            next_piece = self.required[active].gather(1, placed.clamp(
+                max=self.required.shape[1] - 1))  # (B', K)
+            allowed &= self.piece_classes != self.TERMINAL
+            allowed.scatter_(-1, next_piece.unsqueeze(-1),
+                             by_class[..., self.TERMINAL].unsqueeze(-1))
+        return allowed
+
+    def advance(self, state: tuple[Tensor, Tensor, Tensor], origin: Tensor,
+                tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The state of every candidate: its parent beam's, plus the token it adds."""
+        placed, depth, opened = (part.gather(1, origin) for part in state)
+        kind = self.piece_classes[tokens]
+        opening = kind == self.OPEN
+        return (placed + (kind == self.TERMINAL).long(),
+                depth + opening.long() - (kind == self.CLOSE).long(),
+                torch.where(opening, opened + 1, 0))
+
+    def select(self, state: tuple[Tensor, Tensor, Tensor], chosen: Tensor,
+               kept: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """The state of the candidates that live on, of the sentences still searching."""
+        state = tuple(part.gather(1, chosen) for part in state)
+        return state if kept is None else tuple(part[kept] for part in state)
