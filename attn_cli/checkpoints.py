@@ -122,6 +122,10 @@ def load_checkpoint(run_dir: Path, step: int, device) -> tuple[LoadedModel, Resu
         metadata = handle.metadata() or {}
     if metadata.get("format") != STATE_FORMAT:
         raise AttnError(f"{path} is not an attn training state")
+    if metadata.get("format_version") != STATE_FORMAT_VERSION:
+        raise AttnError(f"{path} is a training state of format version "
+                        f"{metadata.get('format_version')}; this attn reads version "
+                        f"{STATE_FORMAT_VERSION}")
     state = ResumeState(step=int(metadata["step"]), epoch=int(metadata["epoch"]),
                         offset=int(metadata["offset"]),
                         elapsed_seconds=float(metadata["elapsed_seconds"]),

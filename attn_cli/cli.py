@@ -1,6 +1,7 @@
 """The `attn` command line: thin commands that parse options, call one library function, and move
-bytes. Contract: shared/CLI.md. Heavy modules (torch, sentencepiece) are imported inside the
-commands so that `attn --help` and shell completion stay instant.
+bytes. Command and option names are a contract with users' scripts and Makefiles: add, never
+rename. Heavy modules (torch, sentencepiece) are imported inside the commands so that `attn
+--help` and shell completion stay instant.
 
 Conventions for every command: data on stdout only; logs, progress and summaries on stderr; bad
 input is one `error: ...` line on stderr and exit status 2, never a traceback.

@@ -266,10 +266,6 @@ class Batch:
     tgt_output: np.ndarray  # (B, T)
 
     @property
-    def src_token_count(self) -> int:
-        return int((self.src_tokens != PAD_ID).sum())
-
-    @property
     def tgt_token_count(self) -> int:
         return int((self.tgt_output != PAD_ID).sum())
 

@@ -11,7 +11,7 @@ import contextlib
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -167,7 +167,3 @@ def atomic_output(path: str | os.PathLike, mode: str = "wb") -> Iterator:
     with atomic_path(path) as temp, open(temp, mode, encoding=encoding) as handle:
         yield handle
 
-
-def write_lines(lines: Iterable[str], handle) -> None:
-    for line in lines:
-        handle.write(line + "\n")

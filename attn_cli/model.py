@@ -275,7 +275,7 @@ class Transformer(nn.Module):
                     nn.init.zeros_(module.bias)
         # Embeddings ~ N(0, d_model^-1): scaled by sqrt(d_model) they start at unit variance,
         # the scale of the sinusoids they are added to.
-        for embedding in {self.src_embed, self.tgt_embed}:
+        for embedding in dict.fromkeys([self.src_embed, self.tgt_embed]):  # in order, once
             nn.init.normal_(embedding.weight, std=self.config.d_model ** -0.5)
             with torch.no_grad():
                 embedding.weight[self.config.pad_id].zero_()

@@ -9,7 +9,6 @@ and free-form provenance (preset, step, attn version).
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -18,7 +17,7 @@ import torch
 from . import __version__, stfile
 from .config import ModelConfig
 from .files import AttnError, atomic_path
-from .model import Transformer
+from .model import Transformer, sinusoidal_positions
 from .vocab import Vocabulary
 
 MODEL_FORMAT = "attn-model"
@@ -99,21 +98,6 @@ def read_model_header(path: str | os.PathLike) -> tuple[stfile.Header, ModelConf
     return header, config
 
 
-@contextlib.contextmanager
-def _skip_initialization():
-    """Build modules without drawing random weights (seconds for `big`) that a checkpoint
-    overwrites anyway: torch.nn.init's fillers do nothing meanwhile."""
-    names = ("kaiming_uniform_", "uniform_", "normal_", "xavier_uniform_", "zeros_", "ones_")
-    saved = {name: getattr(torch.nn.init, name) for name in names}
-    for name in names:
-        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for name, function in saved.items():
-            setattr(torch.nn.init, name, function)
-
-
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedModel:
     """Load a model file; every way it can be wrong is an AttnError naming the file."""
     from safetensors import SafetensorError
@@ -139,7 +123,9 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> L
         raise AttnError(f"model file {path} is corrupt: its vocabulary ({len(src_vocab)}/"
                         f"{len(tgt_vocab)} pieces) does not match its config "
                         f"({config.src_vocab_size}/{config.tgt_vocab_size})")
-    with _skip_initialization():  # every weight comes from the file
+    # Built on the meta device: no memory and no random weights drawn (seconds for `big`) for
+    # what the file overwrites; load_state_dict(assign=True) then takes the file's tensors.
+    with torch.device("meta"):
         model = Transformer(config)
     if config.share_embeddings:
         tensors["src_embed.weight"] = tensors.get("tgt_embed.weight")
@@ -151,6 +137,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> L
     if problems or any(t is None for t in tensors.values()):
         raise AttnError(f"model file {path}: weights do not match its config "
                         f"({', '.join(problems[:4]) or 'missing tgt_embed.weight'})")
-    model.load_state_dict(tensors)
+    model.load_state_dict(tensors, assign=True)
+    model.sinusoids = sinusoidal_positions(config.max_positions, config.d_model)  # not in files
     model.eval()
     return LoadedModel(model.to(device), src_vocab, tgt_vocab, dict(header.metadata))

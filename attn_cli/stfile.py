@@ -78,6 +78,9 @@ def memmap_tensor(path: str | os.PathLike, header: Header, name: str) -> np.ndar
     """A read-only, memory-mapped view of one tensor (nothing is read until it is touched)."""
     entry = header.tensors[name]
     begin, end = entry["data_offsets"]
+    if NUMPY_DTYPES.get(entry["dtype"]) is None:  # bf16 and unknown names: numpy cannot map them
+        raise AttnError(f"{path}: tensor {name!r} is {entry['dtype']}, which cannot be mapped "
+                        "(attn data files hold integers)")
     dtype = np.dtype(NUMPY_DTYPES[entry["dtype"]]).newbyteorder("<")
     if end == begin:
         return np.zeros(entry["shape"], dtype=dtype)

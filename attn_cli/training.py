@@ -9,7 +9,8 @@ an uninterrupted one:
   world_size-th of them;
 - each step's loss is normalised by the step's global target-token count, which every rank
   computes from the lengths without communicating;
-- dropout is seeded from (seed, step, rank, micro-batch), so no RNG state has to travel.
+- dropout is seeded from (seed, step, the micro-batch's place in the step), whichever process
+  draws it, so no RNG state has to travel.
 """
 
 from __future__ import annotations

@@ -129,3 +129,16 @@ def test_atomic_output_keeps_the_old_file_when_writing_fails(tmp_path):
             raise RuntimeError("killed mid-write")
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_a_bf16_tensor_is_refused_by_the_memory_mapped_reader(tmp_path):
+    """numpy has no bfloat16: mapping one must be an error, not float64 garbage."""
+    from safetensors.torch import save_file
+
+    from attn_cli import stfile
+
+    path = tmp_path / "bf16.st"
+    save_file({"x": torch.ones(4, dtype=torch.bfloat16)}, str(path))
+    header = stfile.read_header(path)
+    with pytest.raises(AttnError, match="'x' is BF16"):
+        stfile.memmap_tensor(path, header, "x")

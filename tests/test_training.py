@@ -230,6 +230,21 @@ def test_a_steps_metrics_row_is_on_disk_before_its_checkpoint(data_files, tmp_pa
     assert saved_steps == [3, 6]
 
 
+def test_resume_refuses_a_training_state_of_another_format_version(data_files, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    run_dir = tmp_path / "run"
+    assert run_attn(*train_args(data_files[0], run_dir, "--max-steps", 1)).returncode == 0
+    state = run_dir / "checkpoint-1.state.st"
+    from safetensors import safe_open
+
+    with safe_open(str(state), "pt") as handle:
+        metadata = {**handle.metadata(), "format_version": "99"}
+    save_file(load_file(str(state)), str(state), metadata=metadata)
+    assert_clean_error(run_attn(*train_args(data_files[0], run_dir, "--max-steps", 2,
+                                            "--resume")), "format version 99")
+
+
 def test_sigterm_finishes_the_step_saves_and_exits_zero(data_files, tmp_path):
     run_dir = tmp_path / "run"
     process = subprocess.Popen([sys.executable, "-m", "attn_cli",
