@@ -257,26 +257,6 @@ def _text_stdout():
                             write_through=False)
 
 
-def _set_threads(threads: int) -> int:
-    """Torch threads of this (the main) thread: `threads`, or every core for 0."""
-    import os
-
-    import torch
-
-    threads = threads or os.cpu_count() or 1
-    torch.set_num_threads(threads)
-    return threads
-
-
-def _search_workers(threads: int, workers: int, device) -> tuple[int, int]:
-    """(batches searched side by side, torch threads of each) for decode and parse. auto (0):
-    on a CPU one batch per thread, one torch thread each (measured fastest: benchmarks/); on a
-    GPU one batch at a time."""
-    if workers == 0:
-        workers = threads if device.type == "cpu" else 1
-    return workers, max(1, threads // workers)
-
-
 @app.command()
 def decode(
     model_path: Path = typer.Option(..., "-m", "--model", help="A model file (.st)."),
@@ -303,22 +283,15 @@ def decode(
     strict: bool = typer.Option(False, "--strict", help=STRICT_HELP),
 ) -> None:
     """Translate stdin to stdout with beam search (paper §6.1): one line out per line in."""
-    from .devices import inference_dtype, pick_device
     from .files import display_name, open_binary
-    from .modelfile import load_model
-    from .translate import DecodeOptions, Translator, run
+    from .translate import load_translator, run
 
-    threads = _set_threads(threads)
-    chosen_device = pick_device(device)
-    workers, worker_threads = _search_workers(threads, workers, chosen_device)
     started = time.perf_counter()
-    loaded = load_model(model_path, device=chosen_device)
+    translator = load_translator(model_path, beam, device=device, dtype=dtype, threads=threads,
+                                 workers=workers, warn=log, alpha=alpha, max_len_a=max_len_a,
+                                 max_len_b=max_len_b, nbest=nbest, batch_tokens=batch_tokens,
+                                 buffer_size=buffer_size, raw=raw)
     log(f"decode: model loaded in {time.perf_counter() - started:.2f}s")
-    options = DecodeOptions(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
-                            nbest=nbest, batch_tokens=batch_tokens, buffer_size=buffer_size,
-                            raw=raw, workers=workers, worker_threads=worker_threads)
-    precision = inference_dtype(dtype, chosen_device)
-    translator = Translator(loaded, options, chosen_device, precision, warn=log)
     out = _text_stdout()
     with open_binary(input_path) as stream:
         try:
@@ -380,9 +353,10 @@ def score(
             raise AttnError("score -m MODEL takes two files: SRC TGT")
         from .devices import pick_device, resolve_dtype
         from .modelfile import load_model
+        from .translate import set_threads
 
         sources, targets, bad_line = scoring.read_parallel(files[0], files[1], policy)
-        _set_threads(threads)
+        set_threads(threads)
         chosen_device = pick_device(device)
         loaded = load_model(model_path, device=chosen_device)
         started = time.perf_counter()
@@ -459,11 +433,9 @@ def parse(
         return
     if model_path is None:
         raise AttnError("parse needs -m PARSER.st (or the subcommand `linearize`)")
-    from .devices import inference_dtype, pick_device
     from .files import display_name, open_binary
-    from .modelfile import load_model
     from .parsing import tree_line
-    from .translate import DecodeOptions, Translator, run
+    from .translate import load_translator, run
     from .tree_search import TreeConstraint, model_terminals, tree_constraint_for
     from .trees import TERMINALS
 
@@ -472,19 +444,15 @@ def parse(
     if score_words not in TreeConstraint.WORD_SCORES:
         raise AttnError(f"--score-words must be {' or '.join(TreeConstraint.WORD_SCORES)}, "
                         f"not {score_words!r}")
-    threads = _set_threads(threads)
-    chosen_device = pick_device(device)
-    workers, worker_threads = _search_workers(threads, workers, chosen_device)
-    loaded = load_model(model_path, device=chosen_device)
+    translator = load_translator(model_path, beam, device=device, dtype=dtype, threads=threads,
+                                 workers=workers, warn=log, alpha=alpha, max_len_a=max_len_a,
+                                 max_len_b=max_len_b, batch_tokens=batch_tokens,
+                                 buffer_size=buffer_size)
     if terminals == "auto":
-        terminals = model_terminals(loaded)
-    options = DecodeOptions(beam=beam, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
-                            batch_tokens=batch_tokens, buffer_size=buffer_size,
-                            workers=workers, worker_threads=worker_threads)
-    precision = inference_dtype(dtype, chosen_device)
-    constraint_for = tree_constraint_for(loaded, terminals, score_words) if constrain else None
-    translator = Translator(loaded, options, chosen_device, precision, warn=log,
-                            constraint_for=constraint_for)
+        terminals = model_terminals(translator.loaded)
+    if constrain:
+        translator.constraint_for = tree_constraint_for(translator.loaded, terminals,
+                                                        score_words)
     out = _text_stdout()
     with open_binary(input_path) as stream:
         try:

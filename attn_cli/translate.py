@@ -236,6 +236,13 @@ class Translator:
                     results[todo[index]] = hypotheses
         return results
 
+    def translate(self, lines: list[str]) -> list[str]:
+        """The best translation of each line, in order (an empty line for an empty line); with
+        nbest K, K `index<TAB>score<TAB>text` lines per line, as `attn decode` prints them."""
+        results = self.translate_window(list(lines), 1)
+        return [text for index, hypotheses in enumerate(results)
+                for text in self.format(index, hypotheses)]
+
     def detokenize(self, hypotheses: list[Hypothesis]) -> list[str]:
         vocab = self.loaded.tgt_vocab
         if self.options.raw:
@@ -251,6 +258,45 @@ class Translator:
         while len(padded) < self.options.nbest:  # always K lines per input
             padded.append((Hypothesis([], -math.inf, -math.inf), ""))
         return [f"{index}\t{h.score:.4f}\t{text}" for h, text in padded]
+
+
+def set_threads(threads: int) -> int:
+    """Torch threads of this (the calling) thread: `threads`, or every core for 0."""
+    threads = threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    return threads
+
+
+def search_workers(threads: int, workers: int, device: torch.device) -> tuple[int, int]:
+    """(batches searched side by side, torch threads of each). 0 (auto): on a CPU one batch
+    per thread with one torch thread each (measured fastest: benchmarks/), on a GPU one batch
+    at a time."""
+    if workers == 0:
+        workers = threads if device.type == "cpu" else 1
+    return workers, max(1, threads // workers)
+
+
+def load_translator(model_path, beam: int = 4, *, device: str = "auto", dtype: str = "auto",
+                    threads: int = 0, workers: int = 0, warn=None, **options) -> Translator:
+    """A model file made ready to decode: the device (auto: a GPU when torch sees one),
+    the precision (auto: bf16 on CUDA, fp32 on a CPU), the CPU threads (0: every core) and
+    how many batches are searched side by side (0: auto), with the search settings of
+    `DecodeOptions` (beam, alpha, max_len_a, max_len_b, nbest, batch_tokens, ...). This is
+    what `attn decode` and `attn parse` run; from Python:
+
+        translator = load_translator("model.st")
+        translator.translate(["A man is riding a bike."])  # ["Ein Mann fährt Fahrrad."]
+    """
+    from .devices import inference_dtype, pick_device
+    from .modelfile import load_model
+
+    threads = set_threads(threads)
+    chosen = pick_device(device)
+    workers, worker_threads = search_workers(threads, workers, chosen)
+    loaded = load_model(model_path, device=chosen)
+    settings = DecodeOptions(beam=beam, workers=workers, worker_threads=worker_threads,
+                             **options)
+    return Translator(loaded, settings, chosen, inference_dtype(dtype, chosen), warn=warn)
 
 
 def run(translator: Translator, stream, out, name: str = "<stdin>", render=None,

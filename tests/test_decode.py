@@ -467,3 +467,19 @@ def test_tree_constraint_gives_balanced_trees_with_the_word_count():
             assert depth == 0
             text = " ".join(tokens)
             assert not any(f"\u2581({label} \u2581){label}" in text for label in ("S", "NP"))
+
+
+def test_library_translates_a_list_of_strings_as_the_command_does(trained):
+    import attn_cli
+    from attn_cli import load_translator
+
+    model, _ = trained
+    lines = ["a man is walking", "", "two dogs play in the snow"]
+    translator = load_translator(model, beam=2, max_len_b=5, threads=1)
+    assert isinstance(translator, attn_cli.Translator)
+    translations = translator.translate(lines)
+    command = run_attn("decode", "-m", model, "--beam", "2", "--max-len-b", "5",
+                       stdin="\n".join(lines) + "\n")
+    assert translations == command.stdout.split("\n")[:-1] and translations[1] == ""
+    with pytest.raises(AttributeError):
+        attn_cli.no_such_name  # noqa: B018
