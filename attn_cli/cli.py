@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import sys
 import time
+from enum import Enum
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
@@ -60,6 +61,68 @@ REPLACE_INVALID_HELP = ("Replace invalid UTF-8 bytes by U+FFFD (stderr names the
                         "instead of stopping with an error: training data should be clean.")
 
 
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Precision(str, Enum):
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class VocabType(str, Enum):
+    bpe = "bpe"
+    unigram = "unigram"
+
+
+class TreeTerminals(str, Enum):  # the values are trees.TERMINALS
+    placeholders = "placeholders"
+    words = "words"
+
+
+class ModelTerminals(str, Enum):
+    auto = "auto"
+    placeholders = "placeholders"
+    words = "words"
+
+
+class WordScores(str, Enum):  # the values are TreeConstraint.WORD_SCORES
+    given = "given"
+    joint = "joint"
+
+
+class OutputFormat(str, Enum):
+    text = "text"
+    json = "json"
+
+
+# Options that decode, parse and score share, declared once.
+DeviceOption = Annotated[Device, typer.Option(
+    "--device", help="auto (a GPU when torch sees one), cpu or cuda.")]
+PrecisionOption = Annotated[Precision, typer.Option(
+    "--dtype", help="auto (bf16 on CUDA, fp32 on a CPU, where the output then does not depend "
+    "on the batching), fp32, bf16 (faster on CPUs with native bf16) or fp16 (CUDA).")]
+ThreadsOption = Annotated[int, typer.Option("--threads", min=0,
+                                            help="CPU threads (0: all cores).")]
+WorkersOption = Annotated[int, typer.Option(
+    "--workers", min=0, help="Batches searched side by side, sharing the threads (0: one per "
+    "thread on a CPU, 1 on a GPU).")]
+BatchTokensOption = Annotated[int, typer.Option(
+    "--batch-tokens", min=1, help="Source tokens × beam per search batch (score -m: tokens "
+    "per batch).")]
+BufferSizeOption = Annotated[int, typer.Option(
+    "--buffer-size", min=1, help="Lines read ahead and sorted by length (1: interactive, line "
+    "by line).")]
+MaxLenAOption = Annotated[float, typer.Option(
+    "--max-len-a", min=0.0, help="Output length limit a·|x| + b: a (paper: 1).")]
+InputOption = Annotated[str, typer.Option("-i", "--input", help="Read this file, not stdin.")]
+StrictOption = Annotated[bool, typer.Option("--strict", help=STRICT_HELP)]
+
+
 def _utf8_policy(strict: bool):
     from .files import Utf8Policy
 
@@ -77,7 +140,8 @@ def vocab(
                                 "(a .vocab listing is written beside it)."),
     size: int = typer.Option(37000, "--size", min=8, help="Vocabulary size (paper: 37000 "
                              "shared BPE for en-de, 32000 for en-fr)."),
-    model_type: str = typer.Option("bpe", "--type", help="bpe or unigram."),
+    model_type: VocabType = typer.Option(VocabType.bpe, "--type", help="The SentencePiece "
+                                         "model: bpe (the paper's) or unigram."),
     coverage: float = typer.Option(1.0, "--coverage", min=0.9, max=1.0,
                                    help="Share of characters the vocabulary must cover."),
     sample: int = typer.Option(10_000_000, "--sample", min=1,
@@ -93,8 +157,6 @@ def vocab(
     """Learn a shared subword vocabulary (SentencePiece) from text files."""
     from . import vocab as vocabulary_module
 
-    if model_type not in ("bpe", "unigram"):
-        raise AttnError(f"--type must be bpe or unigram, not {model_type!r}")
     if files.count("-") > 1:
         raise AttnError("stdin ('-') can be read only once")
     started = time.perf_counter()
@@ -102,14 +164,15 @@ def vocab(
     lines, total = vocabulary_module.sample_lines(files, sample, seed, policy)
     policy.finish()
     note = f" (a sample of {len(lines)})" if total > len(lines) else ""
-    log(f"vocab: learning a {size}-piece {model_type} vocabulary from {total} lines{note}")
+    log(f"vocab: learning a {size}-piece {model_type.value} vocabulary from {total} lines"
+        f"{note}")
     symbols = None
     if symbols_path is not None:
         from .files import read_lines
 
         symbols = [line.strip() for line in read_lines(symbols_path) if line.strip()]
-    learned = vocabulary_module.learn(lines, size, model_type, coverage, seed, threads, verbose,
-                                      symbols)
+    learned = vocabulary_module.learn(lines, size, model_type.value, coverage, seed, threads,
+                                      verbose, symbols)
     listing = vocabulary_module.write(learned, output)
     log(f"vocab: wrote {output} and {listing} ({len(learned)} pieces, "
         f"sha256 {learned.checksum[:12]}) in {time.perf_counter() - started:.1f}s")
@@ -175,9 +238,10 @@ def train(
                                              "(5000). Default: the preset's."),
     keep: int = typer.Option(20, "--keep", min=1, help="Checkpoints kept (the newest)."),
     seed: int = typer.Option(1, "--seed", help="Seed for initialisation, batches and dropout."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    dtype: str = typer.Option("auto", "--dtype", help="fp32, bf16, fp16 (CUDA, with loss "
-                              "scaling) or auto (bf16 on CUDA, fp32 on CPU)."),
+    device: DeviceOption = Device.auto,
+    dtype: Precision = typer.Option(Precision.auto, "--dtype", help="auto (bf16 on CUDA, fp32 "
+                                    "on a CPU), fp32, bf16 (autocast; faster on CPUs with "
+                                    "native bf16) or fp16 (CUDA, with loss scaling)."),
     lr_scale: Optional[float] = typer.Option(None, "--lr-scale", min=0.0,
                                              help="Multiplies the paper's learning rate."),
     warmup: Optional[int] = typer.Option(None, "--warmup", min=1, help="Warmup steps "
@@ -214,7 +278,7 @@ def train(
     options = dict(data=data, output=output, preset=preset, valid=valid,
                    batch_tokens=batch_tokens, max_tokens=max_tokens, max_steps=max_steps,
                    max_time=max_time, save_every=save_every, keep=keep, seed=seed,
-                   device=device, dtype=dtype, lr_scale=lr_scale, warmup=warmup,
+                   device=device.value, dtype=dtype.value, lr_scale=lr_scale, warmup=warmup,
                    label_smoothing=label_smoothing, dropout=dropout, log_every=log_every,
                    resume=resume, reset_optimizer=reset_optimizer,
                    reset_schedule=reset_schedule, dist_timeout_minutes=dist_timeout)
@@ -262,44 +326,46 @@ def decode(
     model_path: Path = typer.Option(..., "-m", "--model", help="A model file (.st)."),
     beam: int = typer.Option(4, "--beam", min=1, help="Beam size (paper: 4); 1 is greedy."),
     alpha: float = typer.Option(0.6, "--alpha", min=0.0, help="Length penalty α (paper: 0.6)."),
-    max_len_a: float = typer.Option(1.0, "--max-len-a", min=0.0,
-                                    help="Output length limit a·|x| + b: a (paper: 1)."),
+    max_len_a: MaxLenAOption = 1.0,
     max_len_b: int = typer.Option(50, "--max-len-b", min=0, help="... and b (paper: 50)."),
     nbest: int = typer.Option(1, "--nbest", min=1, help="Print the K best as "
                               "`index<TAB>score<TAB>hypothesis` lines (index from 0)."),
-    batch_tokens: int = typer.Option(8000, "--batch-tokens", min=1,
-                                     help="Source tokens × beam per search batch."),
-    buffer_size: int = typer.Option(2000, "--buffer-size", min=1, help="Lines read ahead and "
-                                    "sorted by length (1: interactive, line by line)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), fp32, "
-                              "bf16 (faster on CPUs with native bf16) or fp16."),
-    threads: int = typer.Option(0, "--threads", min=0, help="CPU threads (0: all cores)."),
-    workers: int = typer.Option(0, "--workers", min=0, help="Batches searched side by side, "
-                                "sharing the threads (0: one per thread on a CPU, 1 on a GPU)."),
+    batch_tokens: BatchTokensOption = 8000,
+    buffer_size: BufferSizeOption = 2000,
+    device: DeviceOption = Device.auto,
+    dtype: PrecisionOption = Precision.auto,
+    threads: ThreadsOption = 0,
+    workers: WorkersOption = 0,
     raw: bool = typer.Option(False, "--raw", help="Print subword pieces, not detokenized "
                              "text."),
-    input_path: str = typer.Option("-", "-i", "--input", help="Read this file, not stdin."),
-    strict: bool = typer.Option(False, "--strict", help=STRICT_HELP),
+    input_path: InputOption = "-",
+    strict: StrictOption = False,
 ) -> None:
     """Translate stdin to stdout with beam search (paper §6.1): one line out per line in."""
-    from .files import display_name, open_binary
-    from .translate import load_translator, run
+    from .translate import load_translator
 
     started = time.perf_counter()
-    translator = load_translator(model_path, beam, device=device, dtype=dtype, threads=threads,
-                                 workers=workers, warn=log, alpha=alpha, max_len_a=max_len_a,
-                                 max_len_b=max_len_b, nbest=nbest, batch_tokens=batch_tokens,
-                                 buffer_size=buffer_size, raw=raw)
+    translator = load_translator(model_path, beam, device=device.value, dtype=dtype.value,
+                                 threads=threads, workers=workers, warn=log, alpha=alpha,
+                                 max_len_a=max_len_a, max_len_b=max_len_b, nbest=nbest,
+                                 batch_tokens=batch_tokens, buffer_size=buffer_size, raw=raw)
     log(f"decode: model loaded in {time.perf_counter() - started:.2f}s")
+    stats = _stream(translator, input_path, strict)
+    log(f"decode: {stats.summary()}")
+
+
+def _stream(translator, input_path: str, strict: bool, render=None):
+    """Lines of `input_path` through the translator to stdout, one (or nbest) out per line in."""
+    from .files import display_name, open_binary
+    from .translate import run
+
     out = _text_stdout()
     with open_binary(input_path) as stream:
         try:
-            stats = run(translator, stream, out, display_name(input_path),
-                        policy=_utf8_policy(strict))
+            return run(translator, stream, out, display_name(input_path), render=render,
+                       policy=_utf8_policy(strict))
         finally:
             out.flush()
-    log(f"decode: {stats.summary()}")
 
 
 @app.command()
@@ -307,7 +373,8 @@ def score(
     files: Optional[List[str]] = typer.Argument(None, metavar="[HYP | SRC TGT]",
                                                 help="Hypotheses ('-' or nothing: stdin); with "
                                                 "-m, the source and target files."),
-    ref: Optional[str] = typer.Option(None, "--ref", "-r", help="Reference translations."),
+    ref: Optional[str] = typer.Option(None, "--ref", "-r", help="Reference translations (with "
+                                      "--trees: the gold treebank)."),
     model_path: Optional[Path] = typer.Option(None, "-m", "--model", help="Force-decode SRC "
                                               "TGT with this model: per-line log-probs."),
     metrics: str = typer.Option("bleu,chrf", "--metrics", help="Comma-separated: bleu, chrf, "
@@ -318,75 +385,128 @@ def score(
     lowercase: bool = typer.Option(False, "--lowercase", help="Case-insensitive scores."),
     sentence_level: bool = typer.Option(False, "--sentence-level",
                                         help="One score per line (the first metric)."),
-    trees: bool = typer.Option(False, "--trees", help="EVALB bracketing precision, recall, F1 "
-                               "and exact match of trees (COLLINS.prm conventions)."),
-    device: str = typer.Option("auto", "--device", help="With -m: auto, cpu or cuda."),
-    dtype: str = typer.Option("auto", "--dtype", help="With -m: auto, fp32, bf16, fp16."),
-    batch_tokens: int = typer.Option(8000, "--batch-tokens", min=1,
-                                     help="With -m: tokens per batch."),
-    threads: int = typer.Option(0, "--threads", min=0, help="With -m: CPU threads."),
+    trees: bool = typer.Option(False, "--trees", help="EVALB (COLLINS.prm) bracketing "
+                               "precision, recall, F1, complete match and crossing brackets of "
+                               "trees, one per line, against --ref GOLD."),
+    output_format: OutputFormat = typer.Option(OutputFormat.text, "--format", help="text (one "
+                                               "line per metric, sacreBLEU's and EVALB's way) "
+                                               "or json (one object; with --sentence-level or "
+                                               "-m, one per line)."),
+    device: DeviceOption = Device.auto,
+    dtype: PrecisionOption = Precision.auto,
+    batch_tokens: BatchTokensOption = 8000,
+    threads: ThreadsOption = 0,
     max_errors: int = typer.Option(10, "--max-errors", min=0, help="With --trees: error "
                                    "sentences (words that differ from the gold tree's) "
                                    "reported and left out before it is an error (EVALB's "
                                    "MAX_ERROR)."),
-    strict: bool = typer.Option(False, "--strict", help=STRICT_HELP),
+    strict: StrictOption = False,
 ) -> None:
     """Evaluate: sacreBLEU BLEU/chrF/TER with signatures, force-decoding perplexity, or EVALB
     F1 of trees."""
-    from . import scoring
-
     files = files or []
-    out = _text_stdout()
-    policy = _utf8_policy(strict)
+    as_json = output_format == OutputFormat.json
     if trees:
         if ref is None or len(files) > 1:
             raise AttnError("score --trees takes --ref GOLD and one file of trees (or stdin)")
-        try:
-            for line in scoring.tree_scores(ref, files[0] if files else "-", sentence_level,
-                                            max_errors, policy, warn=log):
-                out.write(line + "\n")
-        finally:
-            out.flush()
-        return
-    if model_path is not None:
+        _score_trees(ref, files[0] if files else "-", sentence_level, max_errors, strict,
+                     as_json)
+    elif model_path is not None:
         if len(files) != 2:
             raise AttnError("score -m MODEL takes two files: SRC TGT")
-        from .devices import pick_device, resolve_dtype
-        from .modelfile import load_model
-        from .translate import set_threads
+        _score_with_model(model_path, files[0], files[1], device.value, dtype.value,
+                          batch_tokens, threads, strict, as_json)
+    else:
+        if ref is None:
+            raise AttnError("score needs --ref REF (or -m MODEL SRC TGT)")
+        if len(files) > 1:
+            raise AttnError("score --ref REF takes one hypothesis file (or stdin)")
+        names = [name.strip().lower() for name in metrics.split(",") if name.strip()]
+        _score_text(files[0] if files else "-", ref, names, tokenize, lowercase,
+                    sentence_level, strict, as_json)
 
-        sources, targets, bad_line = scoring.read_parallel(files[0], files[1], policy)
-        set_threads(threads)
-        chosen_device = pick_device(device)
-        loaded = load_model(model_path, device=chosen_device)
-        started = time.perf_counter()
-        results = scoring.force_decode(loaded, sources, targets, chosen_device,
-                                       resolve_dtype(dtype, chosen_device), batch_tokens)
-        for result in results:
-            out.write(f"{result.log_prob:.4f}\t{result.tokens}\n")
+
+def _write_lines(lines) -> None:
+    """Lines to stdout as they come (what came before an error is still written)."""
+    out = _text_stdout()
+    try:
+        for line in lines:
+            out.write(line + "\n")
+    finally:
         out.flush()
-        if bad_line is not None:
-            raise bad_line
-        tokens = sum(result.tokens for result in results)
-        log(f"score: {len(results)} pairs, {tokens} target tokens (EOS included), perplexity "
-            f"{scoring.perplexity(results):.4f} in {time.perf_counter() - started:.1f}s")
-        return
-    if ref is None:
-        raise AttnError("score needs --ref REF (or -m MODEL SRC TGT)")
-    if len(files) > 1:
-        raise AttnError("score --ref REF takes one hypothesis file (or stdin)")
-    hypotheses, references, bad_line = scoring.read_parallel(files[0] if files else "-", ref,
-                                                             policy)
-    names = [name.strip().lower() for name in metrics.split(",") if name.strip()]
+
+
+def _json_line(value) -> str:
+    import json
+
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _score_text(hypothesis_path: str, ref: str, names: list[str], tokenize: str,
+                lowercase: bool, sentence_level: bool, strict: bool, as_json: bool) -> None:
+    from . import scoring
+
+    hypotheses, references, bad_line = scoring.read_parallel(hypothesis_path, ref,
+                                                             _utf8_policy(strict))
     if sentence_level:
-        for line in scoring.sentence_scores(hypotheses, references, names[0], tokenize):
-            out.write(line + "\n")
+        scores = scoring.sentence_scores(hypotheses, references, names[0], tokenize, lowercase)
+        _write_lines(_json_line({"line": number, names[0]: round(value, 4)}) if as_json
+                     else f"{value:.4f}" for number, value in enumerate(scores, start=1))
     elif bad_line is None:
-        for line in scoring.corpus_scores(hypotheses, references, names, tokenize, lowercase):
-            out.write(line + "\n")
-    out.flush()
+        results = scoring.text_scores(hypotheses, references, names, tokenize, lowercase)
+        _write_lines([_json_line({r.name: {"score": round(r.score, 4), "signature": r.signature,
+                                            "text": r.text} for r in results})] if as_json
+                     else [result.line() for result in results])
     if bad_line is not None:
         raise bad_line
+
+
+def _score_with_model(model_path: Path, src: str, tgt: str, device: str, dtype: str,
+                      batch_tokens: int, threads: int, strict: bool, as_json: bool) -> None:
+    from . import scoring
+    from .devices import pick_device, resolve_dtype
+    from .modelfile import load_model
+    from .translate import set_threads
+
+    sources, targets, bad_line = scoring.read_parallel(src, tgt, _utf8_policy(strict))
+    set_threads(threads)
+    chosen = pick_device(device)
+    loaded = load_model(model_path, device=chosen)
+    started = time.perf_counter()
+    results = scoring.force_decode(loaded, sources, targets, chosen,
+                                   resolve_dtype(dtype, chosen), batch_tokens)
+    _write_lines(_json_line({"line": number, "log_prob": round(r.log_prob, 4),
+                             "tokens": r.tokens}) if as_json else f"{r.log_prob:.4f}\t{r.tokens}"
+                 for number, r in enumerate(results, start=1))
+    if bad_line is not None:
+        raise bad_line
+    tokens = sum(result.tokens for result in results)
+    log(f"score: {len(results)} pairs, {tokens} target tokens (EOS included), perplexity "
+        f"{scoring.perplexity(results):.4f} in {time.perf_counter() - started:.1f}s")
+
+
+def _score_trees(gold: str, test: str, sentence_level: bool, max_errors: int, strict: bool,
+                 as_json: bool) -> None:
+    from . import scoring
+
+    sentences = []
+
+    def lines():
+        for sentence in scoring.tree_scores(gold, test, max_errors, _utf8_policy(strict), log):
+            sentences.append(sentence)
+            if sentence_level:
+                yield (_json_line(scoring.tree_sentence_json(sentence)) if as_json
+                       else scoring.tree_sentence_line(sentence))
+        if not sentence_level:
+            totals = scoring.tree_totals(sentences)
+            if as_json:
+                yield _json_line({label: scoring.tree_counts_json(counts)
+                                  for label, counts in totals.items()})
+            else:
+                yield from (scoring.tree_summary_line(label, counts)
+                            for label, counts in totals.items())
+
+    _write_lines(lines())
 
 
 parse_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
@@ -401,30 +521,27 @@ def parse(
                                               help="A parser model file (.st)."),
     beam: int = typer.Option(21, "--beam", min=1, help="Beam size (paper: 21)."),
     alpha: float = typer.Option(0.3, "--alpha", min=0.0, help="Length penalty α (paper: 0.3)."),
-    max_len_a: float = typer.Option(1.0, "--max-len-a", min=0.0,
-                                    help="Output length limit a·|x| + b: a."),
+    max_len_a: MaxLenAOption = 1.0,
     max_len_b: int = typer.Option(300, "--max-len-b", min=0, help="... and b (paper: 300)."),
-    batch_tokens: int = typer.Option(8000, "--batch-tokens", min=1,
-                                     help="Source tokens × beam per search batch."),
-    buffer_size: int = typer.Option(2000, "--buffer-size", min=1,
-                                    help="Lines read ahead (1: interactive)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (as decode), fp32, bf16, fp16."),
-    threads: int = typer.Option(0, "--threads", min=0, help="CPU threads (0: all cores)."),
-    workers: int = typer.Option(0, "--workers", min=0, help="Batches searched side by side, "
-                                "sharing the threads (0: one per thread on a CPU, 1 on a GPU)."),
-    input_path: str = typer.Option("-", "-i", "--input", help="Read this file, not stdin."),
+    batch_tokens: BatchTokensOption = 8000,
+    buffer_size: BufferSizeOption = 2000,
+    device: DeviceOption = Device.auto,
+    dtype: PrecisionOption = Precision.auto,
+    threads: ThreadsOption = 0,
+    workers: WorkersOption = 0,
+    input_path: InputOption = "-",
     constrain: bool = typer.Option(False, "--constrain", help="Constrain the search to "
                                    "well-formed trees over exactly the input's words (not in "
                                    "the paper, which repairs the output afterwards)."),
-    terminals: str = typer.Option("auto", "--terminals", help="How the model spells "
-                                  "terminals: placeholders, words, or auto (from its "
-                                  "vocabulary)."),
-    score_words: str = typer.Option("given", "--score-words", help="With --constrain and word "
+    terminals: ModelTerminals = typer.Option(ModelTerminals.auto, "--terminals", help="How "
+                                             "the model spells terminals: placeholders, "
+                                             "words, or auto (from its vocabulary)."),
+    score_words: WordScores = typer.Option(WordScores.given, "--score-words", help="With "
+                                           "--constrain and word "
                                     "terminals: given (a word scores the model's probability "
                                     "of any word there: only the brackets are searched) or "
                                     "joint (the probability of the input's own pieces)."),
-    strict: bool = typer.Option(False, "--strict", help=STRICT_HELP),
+    strict: StrictOption = False,
 ) -> None:
     """Constituency parsing with the same model (paper §6.3): one tokenized sentence per line in,
     one well-formed bracketed tree per line out, always (an empty line for an empty line).
@@ -433,35 +550,21 @@ def parse(
         return
     if model_path is None:
         raise AttnError("parse needs -m PARSER.st (or the subcommand `linearize`)")
-    from .files import display_name, open_binary
     from .parsing import tree_line
-    from .translate import load_translator, run
-    from .tree_search import TreeConstraint, model_terminals, tree_constraint_for
-    from .trees import TERMINALS
+    from .translate import load_translator
+    from .tree_search import model_terminals, tree_constraint_for
 
-    if terminals not in ("auto", *TERMINALS):
-        raise AttnError(f"--terminals must be auto, {' or '.join(TERMINALS)}, not {terminals!r}")
-    if score_words not in TreeConstraint.WORD_SCORES:
-        raise AttnError(f"--score-words must be {' or '.join(TreeConstraint.WORD_SCORES)}, "
-                        f"not {score_words!r}")
-    translator = load_translator(model_path, beam, device=device, dtype=dtype, threads=threads,
-                                 workers=workers, warn=log, alpha=alpha, max_len_a=max_len_a,
-                                 max_len_b=max_len_b, batch_tokens=batch_tokens,
-                                 buffer_size=buffer_size)
-    if terminals == "auto":
-        terminals = model_terminals(translator.loaded)
+    translator = load_translator(model_path, beam, device=device.value, dtype=dtype.value,
+                                 threads=threads, workers=workers, warn=log, alpha=alpha,
+                                 max_len_a=max_len_a, max_len_b=max_len_b,
+                                 batch_tokens=batch_tokens, buffer_size=buffer_size)
+    kind = model_terminals(translator.loaded) if terminals == ModelTerminals.auto \
+        else terminals.value
     if constrain:
-        translator.constraint_for = tree_constraint_for(translator.loaded, terminals,
-                                                        score_words)
-    out = _text_stdout()
-    with open_binary(input_path) as stream:
-        try:
-            stats = run(translator, stream, out, display_name(input_path),
-                        render=lambda index, line, hypotheses: [tree_line(translator, line,
-                                                                          hypotheses)],
-                        policy=_utf8_policy(strict))
-        finally:
-            out.flush()
+        translator.constraint_for = tree_constraint_for(translator.loaded, kind,
+                                                        score_words.value)
+    stats = _stream(translator, input_path, strict, render=lambda index, line, hypotheses: [
+        tree_line(translator, line, hypotheses)])
     log(f"parse: {stats.summary()}")
 
 
@@ -470,10 +573,11 @@ def parse_linearize(
     treebank: List[str] = typer.Argument(..., metavar="TREEBANK_FILE",
                                          help="Penn Treebank .mrg files (or one-line trees)."),
     prefix: str = typer.Option(..., "-o", "--output", help="Writes PREFIX.src and PREFIX.tgt."),
-    terminals: str = typer.Option("placeholders", "--terminals", help="Terminals of the "
-                                  "linearized trees: placeholders (XX, the paper's setup) or "
-                                  "words (the words themselves; learns faster from small "
-                                  "treebanks)."),
+    terminals: TreeTerminals = typer.Option(TreeTerminals.placeholders, "--terminals",
+                                            help="Terminals of the linearized trees: "
+                                            "placeholders (XX, the paper's setup) or words (the "
+                                            "words themselves; learns faster from small "
+                                            "treebanks)."),
     subtrees: bool = typer.Option(False, "--subtrees", help="Also write every constituent of "
                                   "two words or more as a training pair of its own (not in the "
                                   "paper: more, shorter examples for a small treebank)."),
@@ -481,11 +585,8 @@ def parse_linearize(
     """Treebank files → training pairs: words (PREFIX.src) and linearized trees (PREFIX.tgt),
     after the standard clean-up (no -NONE-, no function tags)."""
     from .parsing import write_training_pairs
-    from .trees import TERMINALS
 
-    if terminals not in TERMINALS:
-        raise AttnError(f"--terminals must be {' or '.join(TERMINALS)}, not {terminals!r}")
-    written, skipped, extra = write_training_pairs(treebank, prefix, terminals, subtrees)
+    written, skipped, extra = write_training_pairs(treebank, prefix, terminals.value, subtrees)
     log(f"parse linearize: {written} trees to {prefix}.src and {prefix}.tgt, their brackets "
         f"to {prefix}.symbols"
         + (f", and {extra} constituents" if subtrees else "")

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .files import STRICT, AttnError, Utf8Policy, display_name, open_binary
-from .trees import MAX_ERRORS
+from .trees import CUTOFF_LENGTH, MAX_ERRORS, BracketCounts
 
 METRICS = ("bleu", "chrf", "ter")
 TOKENIZERS = ("13a", "intl", "none", "zh", "ja-mecab", "ko-mecab", "char", "flores101",
@@ -47,50 +47,52 @@ def read_parallel(first: str, second: str, policy: Utf8Policy = STRICT
     return a, b, None
 
 
-def corpus_scores(hypotheses: list[str], references: list[str], metrics: list[str],
-                  tokenize: str, lowercase: bool = False) -> list[str]:
-    """One line per metric, sacrebleu's way: `SIGNATURE = SCORE ...`."""
+@dataclass(frozen=True)
+class MetricScore:
+    """One corpus metric as sacrebleu reports it."""
+
+    name: str  # BLEU, chrF2, TER
+    signature: str  # sacrebleu's: what makes the score reproducible
+    score: float
+    text: str  # sacrebleu's formatted score, e.g. "35.20 68.0/42.7/29.5/20.3 (BP = 0.905 ...)"
+
+    def line(self) -> str:
+        return f"{self.name}|{self.signature} = {self.text}"
+
+
+def _metric(name: str, tokenize: str, lowercase: bool = False, sentence: bool = False):
     from sacrebleu.metrics import BLEU, CHRF, TER
 
-    unknown = [m for m in metrics if m not in METRICS]
-    if unknown:
-        raise AttnError(f"unknown metric {unknown[0]!r}; choose from {', '.join(METRICS)}")
+    if name not in METRICS:
+        raise AttnError(f"unknown metric {name!r}; choose from {', '.join(METRICS)}")
     if tokenize not in TOKENIZERS:
         raise AttnError(f"unknown tokenizer {tokenize!r}; choose from {', '.join(TOKENIZERS)}")
-    lines = []
-    for name in metrics:
-        if name == "bleu":
-            metric = BLEU(tokenize=tokenize, lowercase=lowercase)
-        elif name == "chrf":
-            metric = CHRF(lowercase=lowercase)
-        else:
-            metric = TER(case_sensitive=not lowercase)
+    if name == "bleu":
+        return BLEU(tokenize=tokenize, lowercase=lowercase, effective_order=sentence)
+    if name == "chrf":
+        return CHRF(lowercase=lowercase)
+    return TER(case_sensitive=not lowercase)
+
+
+def text_scores(hypotheses: list[str], references: list[str], metrics: list[str],
+                tokenize: str = "13a", lowercase: bool = False) -> list[MetricScore]:
+    """Corpus BLEU, chrF and TER (any of them, in the order asked) through sacrebleu."""
+    scorers = [_metric(name, tokenize, lowercase) for name in metrics]
+    results = []
+    for metric in scorers:
         score = metric.corpus_score(hypotheses, [references])
-        lines.append(f"{score.name}|{metric.get_signature()} = {_score_text(score)}")
-    return lines
-
-
-def _score_text(score) -> str:
-    """sacrebleu's formatted score without its leading `NAME = `."""
-    text = score.format()
-    return text.split(" = ", 1)[1] if " = " in text else text
+        text = score.format()
+        results.append(MetricScore(score.name, metric.get_signature().format(), score.score,
+                                   text.split(" = ", 1)[1] if " = " in text else text))
+    return results
 
 
 def sentence_scores(hypotheses: list[str], references: list[str], metric_name: str,
-                    tokenize: str) -> Iterator[str]:
+                    tokenize: str = "13a", lowercase: bool = False) -> list[float]:
     """One score per line (for sorting, filtering, significance tests)."""
-    from sacrebleu.metrics import BLEU, CHRF, TER
-
-    if metric_name == "bleu":
-        metric = BLEU(tokenize=tokenize, effective_order=True)
-    elif metric_name == "chrf":
-        metric = CHRF()
-    elif metric_name == "ter":
-        metric = TER()
-    else:
-        raise AttnError(f"unknown metric {metric_name!r}; choose from {', '.join(METRICS)}")
-    for hypothesis, reference in zip(hypotheses, references):
-        yield f"{metric.sentence_score(hypothesis, [reference]).score:.4f}"
+    metric = _metric(metric_name, tokenize, lowercase, sentence=True)
+    return [metric.sentence_score(hypothesis, [reference]).score
+            for hypothesis, reference in zip(hypotheses, references)]
 
 
 @dataclass
@@ -136,15 +138,27 @@ def perplexity(scores: list[ForcedScore]) -> float:
     return math.exp(-sum(s.log_prob for s in scores) / tokens) if tokens else float("nan")
 
 
-def tree_scores(gold_path: str, test_path: str, sentence_level: bool = False,
-                max_errors: int = MAX_ERRORS, policy: Utf8Policy = STRICT,
-                warn=None) -> Iterator[str]:
-    """EVALB (COLLINS.prm) over a gold treebank and one test tree per line: two summary lines
-    (all sentences, and those of ≤ 40 words), or one `precision recall f1` line per tree (nan
-    for an error or skip sentence). Error sentences are reported through `warn`; more than
+@dataclass(frozen=True)
+class TreeSentence:
+    """One test line scored against its gold tree."""
+
+    number: int  # the line, from 1
+    counts: BracketCounts  # an error or skip sentence counts as such, with no brackets
+    gold_length: int  # words for the length cut-off (traces not counted)
+    error: str | None = None  # why it is an error sentence
+
+    @property
+    def status(self) -> str:
+        return "error" if self.counts.errors else "skip" if self.counts.skipped else "valid"
+
+
+def tree_scores(gold_path: str, test_path: str, max_errors: int = MAX_ERRORS,
+                policy: Utf8Policy = STRICT, warn=None) -> Iterator[TreeSentence]:
+    """EVALB (COLLINS.prm) over a gold treebank and one test tree per line, line by line (sum
+    them with `tree_totals`). Error sentences are reported through `warn`; more than
     `max_errors` of them is an error (EVALB's MAX_ERROR, which EVALB itself checks against its
     count of error messages, stopping one sentence later)."""
-    from .trees import CUTOFF_LENGTH, BracketCounts, EvalbMismatch, evalb_length, read_treebank
+    from .trees import EvalbMismatch, evalb_length, read_treebank
 
     warn = warn or (lambda message: None)
     gold = list(read_treebank([gold_path]))
@@ -153,7 +167,7 @@ def tree_scores(gold_path: str, test_path: str, sentence_level: bool = False,
     if len(gold) != len(raw_lines):
         raise AttnError(f"tree counts differ: {display_name(gold_path)} has {len(gold)} trees, "
                         f"{name} has {len(raw_lines)} lines")
-    total, short = BracketCounts(), BracketCounts()
+    errors = skipped = 0
     error_lines: list[int] = []
     try:
         for number, (gold_tree, raw) in enumerate(zip(gold, raw_lines), start=1):
@@ -170,30 +184,30 @@ def tree_scores(gold_path: str, test_path: str, sentence_level: bool = False,
                                     f"error sentences, more than --max-errors {max_errors}"
                                     ) from None
                 warn(f"score: {name}:{number}: error sentence, not scored: {reason}")
-            total.add(counts)
-            if gold_length <= CUTOFF_LENGTH:
-                short.add(counts)
-            if sentence_level:
-                yield (f"{counts.precision:.2f}\t{counts.recall:.2f}\t{counts.f1:.2f}"
-                       if counts.valid else "nan\tnan\tnan")
+            errors, skipped = errors + counts.errors, skipped + counts.skipped
+            yield TreeSentence(number, counts, gold_length, reason)
     finally:
         policy.finish()
-    if total.errors or total.skipped:
-        warn(f"score: {total.errors} error and {total.skipped} skip sentence(s) not scored "
-             f"(as EVALB counts them){': errors at lines ' if error_lines else ''}"
+    if errors or skipped:
+        warn(f"score: {errors} error and {skipped} skip sentence(s) not scored (as EVALB "
+             f"counts them){': errors at lines ' if error_lines else ''}"
              f"{', '.join(map(str, error_lines))}")
-    if not sentence_level:
-        for label, counts in (("all", total), (f"len<={CUTOFF_LENGTH}", short)):
-            yield (f"EVALB|COLLINS.prm|{label}|sentences:{counts.sentences}|valid:{counts.valid}"
-                   f"|errors:{counts.errors}|skipped:{counts.skipped} = F1 {counts.f1:.2f} "
-                   f"P {counts.precision:.2f} R {counts.recall:.2f} "
-                   f"EX {counts.exact_match:.2f} CB {counts.average_crossing:.2f}")
+
+
+def tree_totals(sentences: list[TreeSentence]) -> dict[str, BracketCounts]:
+    """EVALB's two summaries: every sentence, and those of at most 40 words."""
+    totals = {"all": BracketCounts(), f"len<={CUTOFF_LENGTH}": BracketCounts()}
+    for sentence in sentences:
+        totals["all"].add(sentence.counts)
+        if sentence.gold_length <= CUTOFF_LENGTH:
+            totals[f"len<={CUTOFF_LENGTH}"].add(sentence.counts)
+    return totals
 
 
 def score_tree_line(gold, line: str, where: str):
     """(counts, None) for one test line against its gold tree, or (an error sentence's counts,
     why) when the line is not one tree over the gold's words."""
-    from .trees import BracketCounts, EvalbMismatch, evalb_sentence, read_trees
+    from .trees import EvalbMismatch, evalb_sentence, read_trees
 
     try:
         trees = list(read_trees(line, where))
@@ -202,3 +216,37 @@ def score_tree_line(gold, line: str, where: str):
         return evalb_sentence(gold, trees[0] if trees else None), None
     except (AttnError, EvalbMismatch) as error:
         return BracketCounts(sentences=1, errors=1), str(error).removeprefix(f"{where}: ")
+
+
+# ------------------------------------------------------------------------------ output formats
+
+
+def tree_summary_line(label: str, counts: BracketCounts) -> str:
+    return (f"EVALB|COLLINS.prm|{label}|sentences:{counts.sentences}|valid:{counts.valid}"
+            f"|errors:{counts.errors}|skipped:{counts.skipped} = F1 {counts.f1:.2f} "
+            f"P {counts.precision:.2f} R {counts.recall:.2f} "
+            f"EX {counts.exact_match:.2f} CB {counts.average_crossing:.2f}")
+
+
+def tree_sentence_line(sentence: TreeSentence) -> str:
+    counts = sentence.counts
+    if counts.valid:
+        return f"{counts.precision:.2f}\t{counts.recall:.2f}\t{counts.f1:.2f}"
+    return "nan\tnan\tnan"
+
+
+def tree_counts_json(counts: BracketCounts) -> dict:
+    return {"sentences": counts.sentences, "valid": counts.valid, "errors": counts.errors,
+            "skipped": counts.skipped, "f1": round(counts.f1, 4),
+            "precision": round(counts.precision, 4), "recall": round(counts.recall, 4),
+            "exact_match": round(counts.exact_match, 4),
+            "average_crossing": round(counts.average_crossing, 4), "matched": counts.matched,
+            "gold_brackets": counts.gold, "test_brackets": counts.test}
+
+
+def tree_sentence_json(sentence: TreeSentence) -> dict:
+    valid = sentence.counts.valid > 0
+    return {"line": sentence.number, "status": sentence.status,
+            **{key: (round(getattr(sentence.counts, key), 4) if valid else None)
+               for key in ("precision", "recall", "f1")},
+            **({"error": sentence.error} if sentence.error else {})}

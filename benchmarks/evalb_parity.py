@@ -71,7 +71,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # score this checkout's attn_cli, whatever is installed
 
 from attn_cli.files import AttnError  # noqa: E402
-from attn_cli.scoring import tree_scores  # noqa: E402
+from attn_cli.scoring import (  # noqa: E402
+    tree_scores,
+    tree_sentence_line,
+    tree_summary_line,
+    tree_totals,
+)
 from attn_cli.trees import PLACEHOLDER, ROOT, Tree, clean, read_treebank  # noqa: E402
 
 DEFAULT_TREEBANK = REPO_ROOT.parent / "shared" / "data" / "ptb"
@@ -496,13 +501,14 @@ def run_attn(gold_path: Path, test_path: Path) -> dict:
     warnings: list[str] = []
     result: dict = {"warnings": warnings}
     try:
-        lines = list(tree_scores(str(gold_path), str(test_path), max_errors=MAX_ERRORS,
-                                 warn=warnings.append))
+        sentences = list(tree_scores(str(gold_path), str(test_path), max_errors=MAX_ERRORS,
+                                     warn=warnings.append))
+        lines = [tree_summary_line(label, counts)
+                 for label, counts in tree_totals(sentences).items()]  # what attn prints
         result["summary"] = parse_attn_summary(lines)
         result["lines"] = lines
-        result["sentences"] = [line.split("\t") for line in
-                               tree_scores(str(gold_path), str(test_path), sentence_level=True,
-                                           max_errors=MAX_ERRORS)]
+        result["sentences"] = [tree_sentence_line(sentence).split("\t")
+                               for sentence in sentences]
     except AttnError as error:
         result["failure"] = f"attn stopped: {error}"
         result.setdefault("summary", {})

@@ -84,3 +84,20 @@ def test_train_help_lists_every_preset():
     text = "".join(run_attn("train", "--help").stdout.split())  # however the help is wrapped
     listed = text.split("Architectureandrecipe:")[1].split("(base-A1")[0]
     assert listed.split(",") == list(PRESETS)
+
+
+def test_choices_are_listed_in_help_and_checked():
+    decode_help = run_attn("decode", "--help").stdout
+    assert "<auto|cpu|cuda>" in decode_help and "<auto|fp32|bf16|fp16>" in decode_help
+    assert_clean_error(run_attn("decode", "-m", "x.st", "--device", "gpu"), "--device", "'gpu'")
+    assert_clean_error(run_attn("vocab", "x.txt", "-o", "v.model", "--type", "wordpiece"),
+                       "--type")
+
+
+def test_choice_enums_match_the_library():
+    from attn_cli.cli import TreeTerminals, WordScores
+    from attn_cli.tree_search import TreeConstraint
+    from attn_cli.trees import TERMINALS
+
+    assert tuple(choice.value for choice in TreeTerminals) == TERMINALS
+    assert tuple(choice.value for choice in WordScores) == TreeConstraint.WORD_SCORES

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import subprocess
 import sys
@@ -419,6 +420,27 @@ def test_score_matches_sacrebleu(corpus, tmp_path):
     assert len(sentences.stdout.splitlines()) == len(references)
 
 
+def test_score_as_json(corpus, tmp_path):
+    import sacrebleu
+
+    references = corpus["val.de"].read_text(encoding="utf-8").splitlines()
+    hypotheses = [" ".join(line.split()[:-1]) for line in references]
+    hyp = tmp_path / "hyp.de"
+    hyp.write_text("\n".join(hypotheses) + "\n", encoding="utf-8")
+    result = run_attn("score", "--ref", corpus["val.de"], hyp, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    scores = json.loads(result.stdout)
+    assert list(scores) == ["BLEU", "chrF2"]
+    assert scores["BLEU"]["score"] == pytest.approx(
+        sacrebleu.corpus_bleu(hypotheses, [references]).score, abs=1e-4)
+    assert scores["BLEU"]["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    rows = run_attn("score", "--ref", corpus["val.de"], hyp, "--format", "json",
+                    "--sentence-level", "--metrics", "chrf").stdout.splitlines()
+    assert len(rows) == len(references)
+    assert json.loads(rows[0]) == {"line": 1, "chrf": pytest.approx(
+        sacrebleu.sentence_chrf(hypotheses[0], [references[0]]).score, abs=1e-4)}
+
+
 def test_score_line_count_mismatch(corpus):
     assert_clean_error(run_attn("score", "--ref", corpus["val.de"], corpus["train.de"]),
                        "val.de", "train.de", "50", "300")
@@ -435,6 +457,17 @@ def test_force_decoding_perplexity_equals_training_validation(trained, corpus):
     log_probs = [float(row.split("\t")[0]) for row in rows]
     tokens = [int(row.split("\t")[1]) for row in rows]
     assert math.exp(-sum(log_probs) / sum(tokens)) == pytest.approx(reported, rel=1e-3)
+
+
+def test_force_decoding_as_json(trained, corpus):
+    model, _ = trained
+    text = run_attn("score", "-m", model, corpus["val.en"], corpus["val.de"]).stdout
+    rows = run_attn("score", "-m", model, corpus["val.en"], corpus["val.de"], "--format",
+                    "json").stdout.splitlines()
+    assert [json.loads(row) for row in rows] == [
+        {"line": number, "log_prob": pytest.approx(float(line.split("\t")[0]), abs=1e-4),
+         "tokens": int(line.split("\t")[1])}
+        for number, line in enumerate(text.splitlines(), start=1)]
 
 
 def test_score_does_not_import_torch(corpus):

@@ -215,6 +215,31 @@ def test_score_trees_skips_error_sentences_as_evalb_does(tmp_path):
     assert_clean_error(too_many, f"{test}:2:", "more than --max-errors 0")
 
 
+def test_score_trees_as_json(tmp_path):
+    import json
+
+    gold = tmp_path / "gold.mrg"
+    gold.write_text(GOLD_THREE, encoding="utf-8")
+    test = tmp_path / "test.txt"
+    test.write_text("(TOP (S (NP (XX The) (XX cat)) (VP (XX sat) (XX on) (XX the) (XX mat)) "
+                    "(XX .)))\n\n(TOP (S (NP (XX Dogs)) (VP (XX bark)) (XX .)))\n",
+                    encoding="utf-8")
+    totals = json.loads(run_attn("score", "--trees", "--ref", gold, test, "--format",
+                                 "json").stdout)
+    assert list(totals) == ["all", "len<=40"]
+    assert {key: totals["all"][key] for key in ("sentences", "valid", "errors", "skipped",
+                                                "matched", "gold_brackets", "test_brackets")} \
+        == {"sentences": 3, "valid": 2, "errors": 0, "skipped": 1, "matched": 6,
+            "gold_brackets": 8, "test_brackets": 6}
+    assert totals["all"]["f1"] == pytest.approx(2 * 100 * 75 / 175, abs=1e-4)
+    rows = run_attn("score", "--trees", "--ref", gold, test, "--format", "json",
+                    "--sentence-level").stdout.splitlines()
+    assert [json.loads(row) for row in rows] == [
+        {"line": 1, "status": "valid", "precision": 100.0, "recall": 60.0, "f1": 75.0},
+        {"line": 2, "status": "skip", "precision": None, "recall": None, "f1": None},
+        {"line": 3, "status": "valid", "precision": 100.0, "recall": 100.0, "f1": 100.0}]
+
+
 def test_score_trees_length_cutoff_counts_punctuation_not_traces(tmp_path):
     """EVALB's len<=40 row: 40 words and a '.' make 41 (out); 40 words and a trace make 40."""
     words = " ".join(f"(NN w{i})" for i in range(40))
