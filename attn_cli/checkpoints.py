@@ -62,6 +62,7 @@ class ResumeState:
     options: dict  # the run's options, to report what a resume changes
     adam: dict[str, torch.Tensor]  # "exp_avg.NAME", "exp_avg_sq.NAME", "step.NAME"
     scaler: dict  # fp16 loss-scaler state (empty otherwise)
+    schedule_offset: int = 0  # the step the warmup counts from (--reset-schedule)
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module,
@@ -76,7 +77,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module,
                 "step": str(step), "epoch": str(state.epoch), "offset": str(state.offset),
                 "elapsed_seconds": repr(state.elapsed_seconds),
                 "options": json.dumps(state.options, sort_keys=True),
-                "scaler": json.dumps(state.scaler)}
+                "scaler": json.dumps(state.scaler),
+                "schedule_offset": str(state.schedule_offset)}
     with atomic_path(state_path(run_dir, step)) as temp:
         save_file(tensors, str(temp), metadata=metadata)
     path = checkpoint_path(run_dir, step)
@@ -126,11 +128,15 @@ def load_checkpoint(run_dir: Path, step: int, device) -> tuple[LoadedModel, Resu
         raise AttnError(f"{path} is a training state of format version "
                         f"{metadata.get('format_version')}; this attn reads version "
                         f"{STATE_FORMAT_VERSION}")
+    options = json.loads(metadata["options"])
     state = ResumeState(step=int(metadata["step"]), epoch=int(metadata["epoch"]),
                         offset=int(metadata["offset"]),
                         elapsed_seconds=float(metadata["elapsed_seconds"]),
-                        options=json.loads(metadata["options"]), adam=load_file(str(path)),
-                        scaler=json.loads(metadata.get("scaler", "{}")))
+                        options=options, adam=load_file(str(path)),
+                        scaler=json.loads(metadata.get("scaler", "{}")),
+                        # states written before it had a field of its own kept it in options
+                        schedule_offset=int(metadata.get("schedule_offset",
+                                                         options.get("schedule_offset", 0))))
     return loaded, state
 
 

@@ -282,15 +282,16 @@ def train(
                    label_smoothing=label_smoothing, dropout=dropout, log_every=log_every,
                    resume=resume, reset_optimizer=reset_optimizer,
                    reset_schedule=reset_schedule, dist_timeout_minutes=dist_timeout)
-    from . import training
+    from . import train_report, training
 
     if dry_run:
         world_size = nproc or int(os.environ.get("WORLD_SIZE", "1"))
-        print(training.dry_run_report(training.TrainOptions(**options), vocab_size, world_size))
+        print(train_report.dry_run_report(training.TrainOptions(**options), vocab_size,
+                                          world_size))
         return
     if data is None or output is None:
         raise AttnError("train needs a data file and -o RUN_DIR (or --dry-run)")
-    training.train(training.TrainOptions(**options))
+    training.train(training.TrainOptions(**options), display=train_report.TrainingDisplay())
 
 
 @app.command()

@@ -27,13 +27,14 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from . import checkpoints
-from .config import ModelConfig, Preset, get_preset
+from .config import ModelConfig, get_preset
 from .data import Batch, ParallelData, collate, token_batches
 from .devices import autocast, pick_device, resolve_dtype
 from .files import AttnError
@@ -322,11 +323,13 @@ def evaluate(model: torch.nn.Module, data: ParallelData, max_tokens: int, epsilo
             "valid_ppl": math.exp(min(nll_sum / tokens, 700))}
 
 
-def train(options: TrainOptions) -> Path | None:
-    """Run (or resume) training; returns the last checkpoint written (None on other ranks)."""
+def train(options: TrainOptions, display: Display | None = None) -> Path | None:
+    """Run (or resume) training; returns the last checkpoint written (None on other ranks).
+    `display` shows progress and metrics rows on the main process."""
     processes = start_processes(options.device, options.dist_timeout_minutes)
     try:
-        return _train(options, processes)
+        return _train(options, processes,
+                      display if display is not None and processes.is_main else _Quiet())
     finally:
         if processes.distributed:
             import torch.distributed as dist
@@ -366,7 +369,6 @@ def _start_or_resume(options: TrainOptions, processes: Processes, config: ModelC
         if options.resume:
             _log(processes, f"nothing to resume in {run_dir}: starting a new run")
         model = Transformer(config).to(processes.device).train()
-        recipe["schedule_offset"] = 0
         return model, _adam(model), scaler, _Position()
 
     loaded, state = checkpoints.load_checkpoint(run_dir, existing[-1][0], processes.device)
@@ -380,11 +382,10 @@ def _start_or_resume(options: TrainOptions, processes: Processes, config: ModelC
         checkpoints.restore_adam(model, optimizer, state.adam)
         if state.scaler and dtype == "fp16":
             scaler.load_state_dict(state.scaler)
-    schedule_offset = state.options.get("schedule_offset", 0)
+    schedule_offset = state.schedule_offset
     if options.reset_schedule:
         schedule_offset = state.step
         _log(processes, f"--reset-schedule: warmup starts again at step {state.step + 1}")
-    recipe["schedule_offset"] = schedule_offset
     if processes.is_main:
         checkpoints.truncate_metrics(run_dir, state.step)
     _log(processes, f"resuming {run_dir} from step {state.step} (epoch {state.epoch}, batch "
@@ -398,7 +399,117 @@ def _adam(model: torch.nn.Module) -> torch.optim.Adam:
     return torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9)
 
 
-def _train(options: TrainOptions, processes: Processes) -> Path | None:
+@dataclass
+class _Run:
+    """What one training run works with; fixed once the run has started."""
+
+    options: TrainOptions
+    recipe: dict
+    processes: Processes
+    display: Display
+    run_dir: Path
+    data: ParallelData
+    valid: ParallelData | None
+    dtype: str
+    plan: BatchPlan
+    config: ModelConfig
+    model: Transformer
+    trained: torch.nn.Module  # the model, wrapped by DDP when distributed
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    stream: MicroBatchStream
+    schedule_offset: int  # the step the warmup counts from (--reset-schedule)
+
+
+@dataclass
+class _Window:
+    """Losses and tokens summed since the last metrics row."""
+
+    loss: float = 0.0
+    nll: float = 0.0
+    tgt: int = 0
+    src: int = 0
+    start: float = dataclasses.field(default_factory=time.monotonic)
+
+    def add(self, loss: float, nll: float, tgt: int, src: int) -> None:
+        self.loss, self.nll = self.loss + loss, self.nll + nll
+        self.tgt, self.src = self.tgt + tgt, self.src + src
+
+    def row(self, step: int, lr: float, epoch: int, elapsed: float) -> dict:
+        seconds = max(time.monotonic() - self.start, 1e-9)
+        return {"step": step, "loss": self.loss / self.tgt, "nll": self.nll / self.tgt, "lr": lr,
+                "tokens_per_s": self.tgt / seconds, "src_tokens_per_s": self.src / seconds,
+                "epoch": epoch, "elapsed_s": elapsed}
+
+
+class _Clock:
+    """Training time (a resumed run goes on counting) and when the next save is due."""
+
+    def __init__(self, elapsed_before: float, step: int, save_every: str, max_time: str | None):
+        self.started = self.last_save_time = time.monotonic()
+        self.elapsed_before, self.last_save_step = elapsed_before, step
+        self.saved_once = False
+        self.save_amount, self.save_unit = parse_interval(save_every)
+        self.max_seconds = parse_interval(max_time)[0] if max_time else math.inf
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.monotonic() - self.started
+
+    def save_due(self, next_step: int) -> bool:
+        if self.save_unit == "steps":
+            return next_step - self.last_save_step >= self.save_amount
+        return time.monotonic() - self.last_save_time >= self.save_amount
+
+    def time_up(self) -> bool:
+        return self.elapsed() >= self.max_seconds
+
+    def saved(self, step: int) -> None:
+        self.last_save_time, self.last_save_step = time.monotonic(), step
+        self.saved_once = True
+
+
+def _train(options: TrainOptions, processes: Processes, display: Display) -> Path | None:
+    """The loop of §5: a step at a time until max_steps, --max-time or a signal; a metrics row
+    every --log-every steps; a checkpoint (after validation) when one is due and at the end."""
+    run, position = _start(options, processes, display)
+    step = position.step
+    clock = _Clock(position.elapsed_seconds, step, run.recipe["save_every"], options.max_time)
+    window, last_checkpoint = _Window(), None
+    display.start(run.recipe["max_steps"], step)
+    with StopRequest() as stop, contextlib.ExitStack() as cleanup:
+        cleanup.callback(display.stop)
+        while step < run.recipe["max_steps"]:
+            # Rank 0's clock decides time-based saving and stopping for every rank (a decision
+            # taken apart would leave one rank waiting in a collective for the others).
+            loss, nll, tgt, src, lr, votes = _step(run, step, lambda next_step=step + 1: [
+                float(stop.requested), float(clock.save_due(next_step) and processes.is_main),
+                float(clock.time_up() and processes.is_main)])
+            stop_votes, save_votes, time_votes = votes
+            step += 1
+            window.add(loss, nll, tgt, src)
+            display.step(step, loss / tgt, lr,
+                         window.tgt / max(time.monotonic() - window.start, 1e-9))
+            if step % options.log_every == 0 or save_votes:
+                row = window.row(step, lr, run.stream.position[0], clock.elapsed())
+                checkpoint = _record(run, step, row, save=bool(save_votes), clock=clock)
+                last_checkpoint = checkpoint or last_checkpoint
+                window = _Window()
+            if stop_votes or time_votes:
+                stop_reason = ("stopped by a signal" if stop_votes
+                               else f"reached --max-time {options.max_time}")
+                break
+        else:
+            stop_reason = f"reached {run.recipe['max_steps']} steps"
+    if clock.last_save_step != step or not clock.saved_once:  # the same on every rank
+        last_checkpoint = _record(run, step, {"step": step, "elapsed_s": clock.elapsed()},
+                                  save=True, clock=clock)
+    _log(processes, f"{stop_reason}; last checkpoint {last_checkpoint}")
+    return last_checkpoint if processes.is_main else None
+
+
+def _start(options: TrainOptions, processes: Processes,
+           display: Display) -> tuple[_Run, _Position]:
+    """Data, model, optimizer and batches of a new or resumed run."""
     recipe = options.recipe()
     preset = get_preset(options.preset)
     run_dir = Path(options.output)
@@ -408,16 +519,11 @@ def _train(options: TrainOptions, processes: Processes) -> Path | None:
         data.check_same_vocab(valid)
     dtype = resolve_dtype(options.dtype, processes.device)
     plan = batch_plan(recipe["batch_tokens"], options.max_tokens, processes.world_size)
-    save_amount, save_unit = parse_interval(recipe["save_every"])
-    max_seconds = parse_interval(options.max_time)[0] if options.max_time else math.inf
     config = preset.model_config(len(data.src_vocab),
                                  None if data.shared_vocab else len(data.tgt_vocab),
                                  dropout=recipe["dropout"])
-
     model, optimizer, scaler, position = _start_or_resume(options, processes, config, recipe,
                                                           data, dtype)
-    step, epoch, offset, elapsed_before, schedule_offset = position
-
     trained = model
     if processes.distributed:
         from torch.nn.parallel import DistributedDataParallel
@@ -425,118 +531,113 @@ def _train(options: TrainOptions, processes: Processes) -> Path | None:
         trained = DistributedDataParallel(
             model, device_ids=[processes.device.index] if processes.device.type == "cuda"
             else None)
-
     if processes.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         _log(processes, f"{preset.name}: {sum(p.numel() for p in model.parameters()):,} "
              f"parameters, {len(data)} training pairs, {dtype} on {processes.device}")
         _log(processes, plan.describe())
-    stream = MicroBatchStream(data, plan.max_tokens, options.seed, epoch, offset)
-    tgt_lengths = data.tgt_lengths
-    src_lengths = data.src_lengths
-    epsilon = recipe["label_smoothing"]
-    started = time.monotonic()
-    last_save_time = started
-    last_save_step = step
-    window = {"loss": 0.0, "nll": 0.0, "tgt": 0, "src": 0, "start": time.monotonic()}
-    last_checkpoint = None
-    progress = _Progress(processes.is_main, recipe["max_steps"], step)
-    with StopRequest() as stop, progress:
-        while step < recipe["max_steps"]:
-            micro_batches = stream.take(plan.micro_batches_per_step)
-            step_tgt_tokens = sum(int(tgt_lengths[b].sum()) + len(b) for b in micro_batches)
-            step_src_tokens = sum(int(src_lengths[b].sum()) + len(b) for b in micro_batches)
-            # Each rank's losses are scaled so that the gradients DDP averages add up to the
-            # gradient of (global loss sum / global target tokens).
-            loss_scale = processes.world_size / step_tgt_tokens
-            loss_sum, nll_sum = forward_backward(trained, data, micro_batches, loss_scale,
-                                                 epsilon, processes, dtype, scaler,
-                                                 seed=(options.seed, step))
-            lr = inverse_sqrt_lr(step + 1 - schedule_offset, config.d_model, recipe["warmup"],
-                                 recipe["lr_scale"])
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            # Rank 0's clock decides time-based saving and stopping for every rank (a decision
-            # taken apart would leave one rank waiting in a collective for the others).
-            due = (step + 1 - last_save_step >= save_amount if save_unit == "steps"
-                   else time.monotonic() - last_save_time >= save_amount)
-            time_up = elapsed_before + time.monotonic() - started >= max_seconds
-            loss_sum, nll_sum, stop_votes, save_votes, time_votes = all_reduce_sum(
-                [loss_sum, nll_sum, float(stop.requested), float(due and processes.is_main),
-                 float(time_up and processes.is_main)], processes)
-            if not math.isfinite(loss_sum):
-                optimizer.zero_grad(set_to_none=True)
-                good = checkpoints.list_checkpoints(run_dir, need_state=True)
-                kept = f"the last good checkpoint is {good[-1][1]}" if good else \
-                    "no checkpoint was written yet"
-                raise TrainingDiverged(f"the loss became {loss_sum} at step {step + 1}; {kept}. "
-                                       "Try a lower --lr-scale or a longer --warmup.")
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            window["loss"] += loss_sum
-            window["nll"] += nll_sum
-            window["tgt"] += step_tgt_tokens
-            window["src"] += step_src_tokens
-            progress.update(step, loss_sum / step_tgt_tokens, lr,
-                            window["tgt"] / max(time.monotonic() - window["start"], 1e-9))
-            if step % options.log_every == 0 or save_votes:
-                seconds = max(time.monotonic() - window["start"], 1e-9)
-                row = {"step": step, "loss": window["loss"] / window["tgt"],
-                       "nll": window["nll"] / window["tgt"], "lr": lr,
-                       "tokens_per_s": window["tgt"] / seconds,
-                       "src_tokens_per_s": window["src"] / seconds,
-                       "epoch": stream.position[0],
-                       "elapsed_s": elapsed_before + time.monotonic() - started}
-                if save_votes and valid is not None:
-                    row.update(evaluate(trained, valid, plan.max_tokens, epsilon, processes, dtype))
-                # The row goes to disk before the checkpoint: a run killed between the two
-                # resumes from the previous checkpoint and rewrites this row, never loses it.
-                _write_metrics(run_dir, row, processes)
-                if save_votes:
-                    last_checkpoint = _save(run_dir, step, model, optimizer, stream, scaler,
-                                            elapsed_before + time.monotonic() - started,
-                                            recipe, data, options, processes)
-                    last_save_time, last_save_step = time.monotonic(), step
-                progress.log(row)
-                window = {"loss": 0.0, "nll": 0.0, "tgt": 0, "src": 0,
-                          "start": time.monotonic()}
-            if stop_votes or time_votes:
-                stop_reason = ("stopped by a signal" if stop_votes
-                               else f"reached --max-time {options.max_time}")
-                break
-        else:
-            stop_reason = f"reached {recipe['max_steps']} steps"
-    if last_save_step != step or last_checkpoint is None:
-        row = {"step": step, "elapsed_s": elapsed_before + time.monotonic() - started}
-        if valid is not None:
-            row.update(evaluate(trained, valid, plan.max_tokens, epsilon, processes, dtype))
-        if len(row) > 2:  # before the checkpoint, as in the loop
-            _write_metrics(run_dir, row, processes)
-            progress.log(row)
-        last_checkpoint = _save(run_dir, step, model, optimizer, stream, scaler,
-                                row["elapsed_s"], recipe, data, options, processes)
-    _log(processes, f"{stop_reason}; last checkpoint {last_checkpoint}")
-    return last_checkpoint if processes.is_main else None
+    stream = MicroBatchStream(data, plan.max_tokens, options.seed, position.epoch,
+                              position.offset)
+    return _Run(options, recipe, processes, display, run_dir, data, valid, dtype, plan, config,
+                model, trained, optimizer, scaler, stream, position.schedule_offset), position
+
+
+def _step(run: _Run, step: int, votes: Callable[[], list[float]]):
+    """One optimizer step (the `step + 1`-th): its micro-batches forward and backward, the
+    learning rate of the schedule, Adam. `votes()`, taken once the gradients are in, are summed
+    over the processes with the losses. Returns (loss sum, NLL sum, target tokens, source
+    tokens, lr, summed votes)."""
+    micro_batches = run.stream.take(run.plan.micro_batches_per_step)
+    tgt_tokens = sum(int(run.data.tgt_lengths[b].sum()) + len(b) for b in micro_batches)
+    src_tokens = sum(int(run.data.src_lengths[b].sum()) + len(b) for b in micro_batches)
+    # Each rank's losses are scaled so that the gradients DDP averages add up to the gradient
+    # of (global loss sum / global target tokens).
+    loss_scale = run.processes.world_size / tgt_tokens
+    loss_sum, nll_sum = forward_backward(run.trained, run.data, micro_batches, loss_scale,
+                                         run.recipe["label_smoothing"], run.processes,
+                                         run.dtype, run.scaler, seed=(run.options.seed, step))
+    lr = inverse_sqrt_lr(step + 1 - run.schedule_offset, run.config.d_model,
+                         run.recipe["warmup"], run.recipe["lr_scale"])
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum, nll_sum, *summed = all_reduce_sum([loss_sum, nll_sum, *votes()], run.processes)
+    if not math.isfinite(loss_sum):
+        run.optimizer.zero_grad(set_to_none=True)
+        good = checkpoints.list_checkpoints(run.run_dir, need_state=True)
+        kept = f"the last good checkpoint is {good[-1][1]}" if good else \
+            "no checkpoint was written yet"
+        raise TrainingDiverged(f"the loss became {loss_sum} at step {step + 1}; {kept}. "
+                               "Try a lower --lr-scale or a longer --warmup.")
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    return loss_sum, nll_sum, tgt_tokens, src_tokens, lr, summed
+
+
+def _record(run: _Run, step: int, row: dict, save: bool, clock: _Clock) -> Path | None:
+    """A metrics row (with validation when saving), then the checkpoint when `save`. The row
+    goes to disk first: a run killed between the two resumes from the previous checkpoint and
+    rewrites this row, never loses it. Returns the checkpoint written (None: none)."""
+    if save and run.valid is not None:
+        row.update(evaluate(run.trained, run.valid, run.plan.max_tokens,
+                            run.recipe["label_smoothing"], run.processes, run.dtype))
+    if len(row) > 2:  # more than the step and the time
+        _write_metrics(run.run_dir, row, run.processes)
+    checkpoint = None
+    if save:
+        checkpoint = _save(run.run_dir, step, run, row["elapsed_s"])
+        clock.saved(step)
+    if len(row) > 2:
+        run.display.row(row)
+    return checkpoint
 
 
 class TrainingDiverged(AttnError):
     pass
 
 
-def _save(run_dir, step, model, optimizer, stream, scaler, elapsed, recipe, data, options,
-          processes) -> Path | None:
-    if not processes.is_main:
+class Display(Protocol):
+    """What the run shows as it goes (train_report.TrainingDisplay), on the main process."""
+
+    def start(self, total_steps: int, start_step: int) -> None: ...
+
+    def step(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None: ...
+
+    def row(self, row: dict) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class _Quiet:
+    """The display of a run nobody watches (other ranks; library calls that pass none)."""
+
+    def start(self, total_steps: int, start_step: int) -> None:
+        pass
+
+    def step(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None:
+        pass
+
+    def row(self, row: dict) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def _save(run_dir: Path, step: int, run: _Run, elapsed: float) -> Path | None:
+    """The model and its training state after `step`, then the old checkpoints pruned."""
+    if not run.processes.is_main:
         return None
-    epoch, offset = stream.position
+    epoch, offset = run.stream.position
     state = checkpoints.ResumeState(step=step, epoch=epoch, offset=offset,
-                                    elapsed_seconds=elapsed, options=recipe, adam={},
-                                    scaler=scaler.state_dict() if scaler.is_enabled() else {})
-    tgt_vocab = None if data.shared_vocab else data.tgt_vocab
-    path = checkpoints.save_checkpoint(run_dir, step, model, optimizer, state, data.src_vocab,
-                                       tgt_vocab, {"preset": options.preset})
-    checkpoints.prune_checkpoints(run_dir, options.keep)
+                                    elapsed_seconds=elapsed, options=run.recipe, adam={},
+                                    scaler=run.scaler.state_dict() if run.scaler.is_enabled()
+                                    else {}, schedule_offset=run.schedule_offset)
+    tgt_vocab = None if run.data.shared_vocab else run.data.tgt_vocab
+    path = checkpoints.save_checkpoint(run_dir, step, run.model, run.optimizer, state,
+                                       run.data.src_vocab, tgt_vocab,
+                                       {"preset": run.options.preset})
+    checkpoints.prune_checkpoints(run_dir, run.options.keep)
     return path
 
 
@@ -570,139 +671,3 @@ def _check_resume(saved_config: ModelConfig, config: ModelConfig, saved_vocab: s
         if before != after:
             note = "" if key in FREELY_CHANGED else " (changes the recipe)"
             _log(processes, f"resume: {key} {before} -> {after}{note}")
-
-
-# -------------------------------------------------------------------------------- the display
-
-
-class _Progress:
-    """A rich progress bar on a terminal; plain log lines otherwise (CI logs, files)."""
-
-    def __init__(self, enabled: bool, total_steps: int, start_step: int):
-        self.enabled = enabled
-        self.live = None
-        if enabled and sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-
-            self.live = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
-                                 TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
-                                 console=Console(stderr=True), transient=False)
-            self.task = self.live.add_task("train", total=total_steps, completed=start_step,
-                                           status="")
-
-    def __enter__(self):
-        if self.live:
-            self.live.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.live:
-            self.live.stop()
-
-    def update(self, step: int, loss: float, lr: float, tokens_per_s: float) -> None:
-        if self.live:
-            self.live.update(self.task, completed=step,
-                             status=f"loss {loss:.3f} lr {lr:.2e} {tokens_per_s:,.0f} tgt tok/s")
-
-    def log(self, row: dict) -> None:
-        if not self.enabled:
-            return
-        parts = [f"step {row['step']}"]
-        for key, fmt in (("loss", ".4f"), ("nll", ".4f"), ("lr", ".3e"), ("tokens_per_s", ",.0f"),
-                         ("src_tokens_per_s", ",.0f"), ("valid_loss", ".4f"),
-                         ("valid_ppl", ".3f"), ("elapsed_s", ".0f")):
-            if key in row:
-                parts.append(f"{key} {row[key]:{fmt}}")
-        line = "train: " + "  ".join(parts)
-        if self.live:
-            self.live.console.print(line)
-        else:
-            print(line, file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------- the dry-run report
-
-
-def dry_run_report(options: TrainOptions, vocab_size: int | None, world_size: int) -> str:
-    """What `train` would build and how it would batch, without data (given --vocab-size)."""
-    preset = get_preset(options.preset)
-    recipe = options.recipe()
-    if options.data is not None:
-        data = ParallelData(options.data)
-        src_size = len(data.src_vocab)
-        tgt_size = None if data.shared_vocab else len(data.tgt_vocab)
-    elif vocab_size is not None:
-        src_size, tgt_size = vocab_size, None
-    else:
-        raise AttnError("--dry-run needs a data file or --vocab-size")
-    config = preset.model_config(src_size, tgt_size, dropout=recipe["dropout"])
-    plan = batch_plan(recipe["batch_tokens"], options.max_tokens, world_size)
-    return describe_model(preset, config, recipe, plan)
-
-
-def parameter_groups(model: Transformer) -> dict[str, int]:
-    """Parameter counts by part; the shared embedding is counted once."""
-    counted: set[int] = set()
-
-    def count(module: torch.nn.Module) -> int:
-        total = 0
-        for parameter in module.parameters():
-            if id(parameter) not in counted:
-                counted.add(id(parameter))
-                total += parameter.numel()
-        return total
-
-    groups = {"embeddings": count(model.tgt_embed) + count(model.src_embed)}
-    if model.config.positions == "learned":
-        groups["positions"] = count(model.learned_positions)
-    groups["encoder"] = count(model.encoder_layers) + (
-        count(model.encoder_norm) if model.config.norm == "pre" else 0)
-    groups["decoder"] = count(model.decoder_layers) + (
-        count(model.decoder_norm) if model.config.norm == "pre" else 0)
-    return groups
-
-
-def describe_model(preset: Preset, config: ModelConfig, recipe: dict | None = None,
-                   plan: BatchPlan | None = None) -> str:
-    """The `--dry-run` report: architecture, recipe and parameter counts, ending `params: N`."""
-    recipe = recipe or {"warmup": preset.warmup_steps, "lr_scale": preset.lr_scale,
-                        "max_steps": preset.max_steps, "batch_tokens": preset.batch_tokens,
-                        "label_smoothing": preset.label_smoothing}
-    with torch.device("meta"):  # shapes only: instant even for `big`
-        model = Transformer(config)
-    groups = parameter_groups(model)
-    total = sum(groups.values())
-    vocabulary = (f"{config.src_vocab_size} shared (source, target, output projection)"
-                  if config.share_embeddings else
-                  f"{config.src_vocab_size} source, {config.tgt_vocab_size} target (tied to the "
-                  "output projection)")
-    lines = [
-        f"preset      {preset.name}: {preset.description}",
-        f"encoder     {config.encoder_layers} layers",
-        f"decoder     {config.decoder_layers} layers",
-        f"layer       d_model {config.d_model}, d_ff {config.d_ff}, {config.heads} heads "
-        f"(d_k {config.d_k}, d_v {config.d_v}), {config.norm}-norm",
-        f"positions   {config.positions}",
-        f"vocabulary  {vocabulary}",
-        f"dropout     {config.dropout} (attention {config.attention_dropout}), "
-        f"label smoothing {recipe['label_smoothing']}",
-        f"schedule    Adam 0.9/0.98/1e-9, warmup {recipe['warmup']}, lr scale "
-        f"{recipe['lr_scale']}, {recipe['max_steps']} steps, {recipe['batch_tokens']} "
-        "tokens/side/step",
-    ]
-    if plan is not None:
-        lines.append(plan.describe())
-    lines += [f"  {name:<10}{count:>14,}" for name, count in groups.items()]
-    if preset.paper_params_millions is not None:
-        paper = preset.paper_params_millions * 1e6
-        lines.append(f"Table 3: {preset.paper_params_millions:g}M with a ~37K vocabulary "
-                     f"(this: {total / 1e6:.1f}M, {100 * (total - paper) / paper:+.1f}%)")
-    lines.append(f"params: {total}")
-    return "\n".join(lines)

@@ -138,6 +138,8 @@ def test_train_writes_checkpoints_metrics_and_decodable_models(data_files, tmp_p
                                   "--valid", valid_st, "--keep", 1))
     assert result.returncode == 0, result.stderr
     assert result.stdout == ""
+    shown = [line for line in result.stderr.splitlines() if line.startswith("train: step ")]
+    assert len(shown) == 6 and "valid_ppl" in shown[2]  # a row per step, validation at saves
     assert [step for step, _ in list_checkpoints(run_dir)] == [6]  # --keep 1
     assert sorted(p.name for p in run_dir.iterdir()) == [
         "checkpoint-6.st", "checkpoint-6.state.st", "metrics.jsonl"]
@@ -162,8 +164,11 @@ def test_refuses_to_overwrite_a_run_without_resume(data_files, tmp_path):
 
 def test_two_gloo_processes_equal_one_process(data_files, tmp_path):
     """torchrun with 2 CPU processes trains the same parameters as 1 process accumulating the
-    same global batch (dropout on: its masks follow the micro-batch, not the process)."""
-    common = ["--max-steps", 4, "--batch-tokens", 1200, "--max-tokens", 600]
+    same global batch (dropout on: its masks follow the micro-batch, not the process). With
+    validation at a save on the last step: every rank must take part in it, or one waits for
+    the other in vain."""
+    common = ["--max-steps", 4, "--batch-tokens", 1200, "--max-tokens", 600, "--save-every", 2,
+              "--valid", data_files[1]]
     single = run_attn(*train_args(data_files[0], tmp_path / "one", *common))
     assert single.returncode == 0, single.stderr
     assert "2 accumulation step(s)" in single.stderr
@@ -275,6 +280,25 @@ def test_resume_reports_changes_and_refuses_another_architecture(data_files, tmp
     other = run_attn("train", data_files[0], "-o", run_dir, "--preset", "small", "--resume",
                      "--max-steps", "4")
     assert_clean_error(other, "another architecture", "d_model 64 -> 256")
+
+
+def test_reset_schedule_restarts_the_warmup_and_the_restart_is_kept(data_files, tmp_path):
+    import json
+
+    run_dir = tmp_path / "run"
+    assert run_attn(*train_args(data_files[0], run_dir, "--max-steps", 4)).returncode == 0
+    reset = run_attn(*train_args(data_files[0], run_dir, "--max-steps", 6, "--resume",
+                                 "--reset-schedule"))
+    assert reset.returncode == 0 and "warmup starts again at step 5" in reset.stderr
+    # A later resume keeps counting from the restart (the offset is part of the state).
+    assert run_attn(*train_args(data_files[0], run_dir, "--max-steps", 7,
+                                "--resume")).returncode == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lr = {row["step"]: row["lr"] for row in rows if "lr" in row}
+    tiny = PRESETS["tiny"]
+    for step, counted in ((4, 4), (5, 1), (6, 2), (7, 3)):
+        assert lr[step] == pytest.approx(training.inverse_sqrt_lr(
+            counted, tiny.d_model, tiny.warmup_steps, tiny.lr_scale)), step
 
 
 def data_with_another_vocab(corpus, directory: Path) -> Path:
