@@ -34,9 +34,10 @@ class MultiHeadAttention(nn.Module):
 
     The h per-head projections are stored as one matrix each (h·d_k columns), without biases:
     the paper's projections are matrices W^Q, W^K, W^V, W^O (as in tensor2tensor; a key bias
-    would in any case get no gradient, softmax being blind to a shift). Self-attention
-    projects queries, keys and values in one matmul; encoder-decoder attention projects the
-    encoder output to keys and values once per source batch (`project_memory`).
+    would in any case get no gradient, softmax being blind to a shift). `forward` is the
+    section as written; the methods below it are the same computation taken apart for
+    incremental decoding (keys and values cached and grown, the encoder output projected once
+    per source batch, a single query attended with two matmuls).
     """
 
     def __init__(self, config: ModelConfig, cross: bool):
@@ -51,6 +52,20 @@ class MultiHeadAttention(nn.Module):
         else:
             self.qkv_proj = nn.Linear(config.d_model, 2 * q_width + v_width, bias=False)
         self.out_proj = nn.Linear(v_width, config.d_model, bias=False)
+
+    def forward(self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None,
+                causal: bool = False) -> Tensor:
+        """Queries from x (B, L, D); keys and values from the encoder output `memory` (B, S, D)
+        in encoder-decoder attention, from x itself in self-attention. `mask` is True where a
+        key may be attended; `causal`: each position attends to itself and those before it."""
+        if self.cross:
+            queries = self._split_heads(self.q_proj(x), self.d_k)
+            keys, values = self.project_memory(memory)
+        else:
+            queries, keys, values = self.project_self(x)
+        return self.attend(queries, keys, values, mask, causal)
+
+    # ------------------------------------------------------------ the parts, for decoding speed
 
     def _split_heads(self, x: Tensor, width: int) -> Tensor:
         batch, length, _ = x.shape
@@ -154,8 +169,7 @@ class EncoderLayer(nn.Module):
         self.sub = Sublayers(config, 2)
 
     def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:  # (B, S, D)
-        q, k, v = self.self_attn.project_self(self.sub.before(0, x))
-        x = self.sub.after(0, x, self.self_attn.attend(q, k, v, mask=src_mask))
+        x = self.sub.after(0, x, self.self_attn(self.sub.before(0, x), mask=src_mask))
         return self.sub.after(1, x, self.ffn(self.sub.before(1, x)))
 
 
@@ -167,25 +181,28 @@ class DecoderLayer(nn.Module):
         self.ffn = FeedForward(config)
         self.sub = Sublayers(config, 3)
 
-    def forward(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor,
-                past_kv: tuple[Tensor, Tensor] | None = None, past_rows: Tensor | None = None
-                ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """x: (N, T, D), N a multiple of the B source sentences of `memory_kv` (B, H, S, d):
-        row n decodes source n // (N / B), so the hypotheses of a beam share their source's
-        keys/values instead of copies. Without `past_kv` the T positions attend causally among
-        themselves (teacher forcing); with it, x is the one next position and attends to every
-        cached one (the rows `past_rows` of the cache, when given: see `DecoderCache.reorder`).
-        Returns the output and the self-attention keys/values including x's (the grown cache)."""
+    def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+        """Teacher forcing: x (B, T, D) attends causally to itself, then to the encoder output
+        `memory` (B, S, D)."""
+        x = self.sub.after(0, x, self.self_attn(self.sub.before(0, x), causal=True))
+        x = self.sub.after(1, x, self.cross_attn(self.sub.before(1, x), memory, mask=src_mask))
+        return self.sub.after(2, x, self.ffn(self.sub.before(2, x)))
+
+    def step(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor,
+             past_kv: tuple[Tensor, Tensor], past_rows: Tensor | None = None
+             ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Incremental decoding: x (N, 1, D) is the one next position of N hypotheses, N a
+        multiple of the B source sentences of `memory_kv` (B, H, S, d): row n decodes source
+        n // (N / B), so the hypotheses of a beam share their source's keys/values instead of
+        copies. x attends to every cached position (the rows `past_rows` of the cache, when
+        given: see `DecoderCache.reorder`) and to itself. Returns the output and the grown
+        self-attention keys/values."""
+        if x.shape[1] != 1:
+            raise ValueError("incremental decoding takes one position at a time")
         q, k, v = self.self_attn.project_self(self.sub.before(0, x))
-        if past_kv is None:
-            attended = self.self_attn.attend(q, k, v, causal=True)
-        else:
-            if x.shape[1] != 1:
-                raise ValueError("incremental decoding takes one position at a time")
-            k, v = grow_cache(past_kv[0], k, past_rows), grow_cache(past_kv[1], v, past_rows)
-            # The one new position has every cached key in its past: no mask needed.
-            attended = self.self_attn.attend(q, k, v)
-        x = self.sub.after(0, x, attended)
+        k, v = grow_cache(past_kv[0], k, past_rows), grow_cache(past_kv[1], v, past_rows)
+        # The one new position has every cached key in its past: no mask needed.
+        x = self.sub.after(0, x, self.self_attn.attend(q, k, v))
         x = self.sub.after(1, x, self.cross_attn.attend_memory(self.sub.before(1, x), memory_kv,
                                                                src_mask))
         return self.sub.after(2, x, self.ffn(self.sub.before(2, x))), (k, v)
@@ -321,7 +338,7 @@ class Transformer(nn.Module):
         """Teacher-forced decoder: tgt_input (B, T) → hidden states (B, T, D)."""
         x = self.embed(self.tgt_embed, tgt_input)
         for layer in self.decoder_layers:
-            x, _ = layer(x, layer.cross_attn.project_memory(memory), src_mask)
+            x = layer(x, memory, src_mask)
         return self.decoder_norm(x) if self.config.norm == "pre" else x
 
     def forward(self, src_tokens: Tensor, tgt_input: Tensor,
@@ -351,8 +368,7 @@ class Transformer(nn.Module):
         x = self.embed(self.tgt_embed, tokens[:, None], start=cache.step)  # (B, 1, D)
         grown = []
         for layer, memory_kv, past_kv in zip(self.decoder_layers, cache.memory_kv, cache.self_kv):
-            x, kv = layer(x, memory_kv, cache.src_mask, past_kv=past_kv,
-                          past_rows=cache.self_rows)
+            x, kv = layer.step(x, memory_kv, cache.src_mask, past_kv, cache.self_rows)
             grown.append(kv)
         if self.config.norm == "pre":
             x = self.decoder_norm(x)

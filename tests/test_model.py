@@ -29,8 +29,7 @@ def test_attention_is_softmax_of_scaled_dot_products():
     x = torch.randn(3, 5, 16)
     mask = torch.ones(3, 1, 1, 5, dtype=torch.bool)
     mask[1, ..., 3:] = False
-    queries, keys, values = attention.project_self(x)
-    got = attention.attend(queries, keys, values, mask=mask)
+    got = attention(x, mask=mask)
 
     w_q, w_k, w_v = attention.qkv_proj.weight.split([16, 16, 12])
     heads = []
@@ -43,6 +42,13 @@ def test_attention_is_softmax_of_scaled_dot_products():
         heads.append(torch.softmax(scores, dim=-1) @ v)
     expected = attention.out_proj(torch.cat(heads, dim=-1))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # The parts decoding uses give the same, and so does encoder-decoder attention taken whole
+    # or with the memory projected once.
+    torch.testing.assert_close(attention.attend(*attention.project_self(x), mask=mask), got)
+    cross = MultiHeadAttention(config, cross=True).eval()
+    memory = torch.randn(3, 5, 16)
+    torch.testing.assert_close(cross.attend_memory(x, cross.project_memory(memory), mask),
+                               cross(x, memory, mask=mask), atol=1e-6, rtol=1e-5)
 
 
 def test_positional_encoding_matches_formula():
