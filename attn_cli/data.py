@@ -129,18 +129,7 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
                                           vocabularies[side], threads, policy)
                        for side in SIDES}
             del raw  # keep one chunk alive at a time: memory stays flat however long the corpus
-            lengths = {side: encoded[side][1] for side in SIDES}
-            empty = (lengths["src"] == 0) | (lengths["tgt"] == 0)
-            too_long = ~empty & ((lengths["src"] > max_len) | (lengths["tgt"] > max_len))
-            keep = ~(empty | too_long)
-            stats.lines += len(keep)
-            stats.dropped_empty += int(empty.sum())
-            stats.dropped_too_long += int(too_long.sum())
-            for side in SIDES:
-                flat_ids, side_lengths = encoded[side]
-                if not keep.all():
-                    flat_ids = flat_ids[np.repeat(keep, side_lengths)]
-                writers[side].append(flat_ids, side_lengths[keep])
+            _append_kept(encoded, writers, max_len, stats)
             del encoded
             stats.pairs = writers["src"].count
             stats.src_tokens, stats.tgt_tokens = writers["src"].total, writers["tgt"].total
@@ -152,31 +141,53 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
             raise AttnError(f"no pair left after dropping {stats.dropped_empty} with an empty "
                             f"side and {stats.dropped_too_long} over {max_len} tokens")
         tensors = writers["src"].close() + writers["tgt"].close()
-        tensors.append(stfile.TensorSource("vocab.src", np.dtype(np.uint8),
-                                           (len(src_vocab.model_bytes),),
-                                           data=src_vocab.model_bytes))
-        if tgt_vocab is not None:
-            tensors.append(stfile.TensorSource("vocab.tgt", np.dtype(np.uint8),
-                                               (len(tgt_vocab.model_bytes),),
-                                               data=tgt_vocab.model_bytes))
-        metadata = {
-            "format": DATA_FORMAT, "format_version": DATA_FORMAT_VERSION,
-            "src_vocab_sha256": src_vocab.checksum,
-            "tgt_vocab_sha256": vocabularies["tgt"].checksum,
-            "shared_vocab": "true" if tgt_vocab is None else "false",
-            "src_vocab_size": str(len(src_vocab)), "tgt_vocab_size": str(len(vocabularies["tgt"])),
-            "pairs": str(stats.pairs), "lines": str(stats.lines),
-            "dropped_empty": str(stats.dropped_empty),
-            "dropped_too_long": str(stats.dropped_too_long), "max_len": str(max_len),
-            "src_tokens": str(stats.src_tokens), "tgt_tokens": str(stats.tgt_tokens),
-            "pad_id": str(PAD_ID), "unk_id": str(UNK_ID), "bos_id": str(BOS_ID),
-            "eos_id": str(EOS_ID),
-            "src_file": Path(display_name(src_path)).name,
-            "tgt_file": Path(display_name(tgt_path)).name,
-        }
-        stfile.write_streaming(out_path, tensors, metadata)
+        tensors += [stfile.TensorSource(f"vocab.{side}", np.dtype(np.uint8),
+                                        (len(vocabulary.model_bytes),),
+                                        data=vocabulary.model_bytes)
+                    for side, vocabulary in (("src", src_vocab), ("tgt", tgt_vocab))
+                    if vocabulary is not None]
+        stfile.write_streaming(out_path, tensors, _data_metadata(
+            stats, src_vocab, tgt_vocab, max_len, src_path, tgt_path))
     stats.seconds = time.perf_counter() - started
     return stats
+
+
+def _append_kept(encoded: dict, writers: dict, max_len: int, stats: BinarizeStats) -> None:
+    """A chunk's pairs to the side writers, less those with an empty side or a side over
+    `max_len` subwords (counted in `stats`)."""
+    lengths = {side: encoded[side][1] for side in SIDES}
+    empty = (lengths["src"] == 0) | (lengths["tgt"] == 0)
+    too_long = ~empty & ((lengths["src"] > max_len) | (lengths["tgt"] > max_len))
+    keep = ~(empty | too_long)
+    stats.lines += len(keep)
+    stats.dropped_empty += int(empty.sum())
+    stats.dropped_too_long += int(too_long.sum())
+    for side in SIDES:
+        flat_ids, side_lengths = encoded[side]
+        if not keep.all():
+            flat_ids = flat_ids[np.repeat(keep, side_lengths)]
+        writers[side].append(flat_ids, side_lengths[keep])
+
+
+def _data_metadata(stats: BinarizeStats, src_vocab: Vocabulary, tgt_vocab: Vocabulary | None,
+                   max_len: int, src_path, tgt_path) -> dict[str, str]:
+    """What a data file says of itself: format, vocabularies, counts, special ids, sources."""
+    target = tgt_vocab or src_vocab
+    return {
+        "format": DATA_FORMAT, "format_version": DATA_FORMAT_VERSION,
+        "src_vocab_sha256": src_vocab.checksum,
+        "tgt_vocab_sha256": target.checksum,
+        "shared_vocab": "true" if tgt_vocab is None else "false",
+        "src_vocab_size": str(len(src_vocab)), "tgt_vocab_size": str(len(target)),
+        "pairs": str(stats.pairs), "lines": str(stats.lines),
+        "dropped_empty": str(stats.dropped_empty),
+        "dropped_too_long": str(stats.dropped_too_long), "max_len": str(max_len),
+        "src_tokens": str(stats.src_tokens), "tgt_tokens": str(stats.tgt_tokens),
+        "pad_id": str(PAD_ID), "unk_id": str(UNK_ID), "bos_id": str(BOS_ID),
+        "eos_id": str(EOS_ID),
+        "src_file": Path(display_name(src_path)).name,
+        "tgt_file": Path(display_name(tgt_path)).name,
+    }
 
 
 class ParallelData:
