@@ -12,7 +12,7 @@ from .config import ModelConfig, Preset, get_preset
 from .data import ParallelData
 from .files import AttnError
 from .model import Transformer
-from .training import BatchPlan, TrainOptions, batch_plan
+from .training import BatchPlan, Recipe, TrainOptions, batch_plan
 
 
 class TrainingDisplay:
@@ -77,8 +77,8 @@ def dry_run_report(options: TrainOptions, vocab_size: int | None, world_size: in
         src_size, tgt_size = vocab_size, None
     else:
         raise AttnError("--dry-run needs a data file or --vocab-size")
-    config = preset.model_config(src_size, tgt_size, dropout=recipe["dropout"])
-    plan = batch_plan(recipe["batch_tokens"], options.max_tokens, world_size)
+    config = preset.model_config(src_size, tgt_size, dropout=recipe.dropout)
+    plan = batch_plan(recipe.batch_tokens, options.max_tokens, world_size)
     return describe_model(preset, config, recipe, plan)
 
 
@@ -104,12 +104,10 @@ def parameter_groups(model: Transformer) -> dict[str, int]:
     return groups
 
 
-def describe_model(preset: Preset, config: ModelConfig, recipe: dict | None = None,
+def describe_model(preset: Preset, config: ModelConfig, recipe: Recipe | None = None,
                    plan: BatchPlan | None = None) -> str:
     """The `--dry-run` report: architecture, recipe and parameter counts, ending `params: N`."""
-    recipe = recipe or {"warmup": preset.warmup_steps, "lr_scale": preset.lr_scale,
-                        "max_steps": preset.max_steps, "batch_tokens": preset.batch_tokens,
-                        "label_smoothing": preset.label_smoothing}
+    recipe = recipe or TrainOptions(data=None, output=None, preset=preset.name).recipe()
     with torch.device("meta"):  # shapes only: instant even for `big`
         model = Transformer(config)
     groups = parameter_groups(model)
@@ -127,9 +125,9 @@ def describe_model(preset: Preset, config: ModelConfig, recipe: dict | None = No
         f"positions   {config.positions}",
         f"vocabulary  {vocabulary}",
         f"dropout     {config.dropout} (attention {config.attention_dropout}), "
-        f"label smoothing {recipe['label_smoothing']}",
-        f"schedule    Adam 0.9/0.98/1e-9, warmup {recipe['warmup']}, lr scale "
-        f"{recipe['lr_scale']}, {recipe['max_steps']} steps, {recipe['batch_tokens']} "
+        f"label smoothing {recipe.label_smoothing}",
+        f"schedule    Adam 0.9/0.98/1e-9, warmup {recipe.warmup}, lr scale "
+        f"{recipe.lr_scale}, {recipe.max_steps} steps, {recipe.batch_tokens} "
         "tokens/side/step",
     ]
     if plan is not None:

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -213,19 +213,39 @@ class TrainOptions:
     reset_schedule: bool = False
     dist_timeout_minutes: float = 30.0
 
-    def recipe(self) -> dict:
-        """The options with the preset's values filled in: what the run actually uses."""
+    def recipe(self) -> "Recipe":
+        """The preset with this run's overrides: what the run actually uses."""
         preset = get_preset(self.preset)
-        filled = dataclasses.asdict(self)
-        for option, preset_field in (("batch_tokens", "batch_tokens"),
-                                     ("max_steps", "max_steps"), ("save_every", "save_every"),
-                                     ("lr_scale", "lr_scale"), ("warmup", "warmup_steps"),
-                                     ("label_smoothing", "label_smoothing"),
-                                     ("dropout", "dropout")):
-            if filled[option] is None:
-                filled[option] = getattr(preset, preset_field)
+        given = {name: getattr(self, name) for name in Recipe.PRESET_FIELDS}
+        return Recipe(**{name: getattr(preset, field) if given[name] is None else given[name]
+                         for name, field in Recipe.PRESET_FIELDS.items()})
+
+    def record(self) -> dict:
+        """Every option, the recipe's filled in, as JSON values: what a checkpoint keeps to tell
+        a resumed run what it changes."""
+        filled = {**dataclasses.asdict(self), **dataclasses.asdict(self.recipe())}
         return {key: str(value) if isinstance(value, Path) else value
                 for key, value in filled.items()}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """§5's numbers for a run: the preset's, where an option does not override them. The field
+    names are the option names."""
+
+    batch_tokens: int  # per side, per step, over all processes
+    max_steps: int
+    save_every: str  # a time (10m) or steps (5000)
+    lr_scale: float
+    warmup: int
+    label_smoothing: float
+    dropout: float
+
+    # option (field) name → the preset's field
+    PRESET_FIELDS: ClassVar[dict[str, str]] = {
+        "batch_tokens": "batch_tokens", "max_steps": "max_steps", "save_every": "save_every",
+        "lr_scale": "lr_scale", "warmup": "warmup_steps", "label_smoothing": "label_smoothing",
+        "dropout": "dropout"}
 
 
 # Options a resumed run may change without a --reset flag (they do not alter what was learned).
@@ -355,7 +375,7 @@ class _Position:
 
 
 def _start_or_resume(options: TrainOptions, processes: Processes, config: ModelConfig,
-                     recipe: dict, data: ParallelData, dtype: str):
+                     data: ParallelData, dtype: str):
     """A new model and optimizer, or the last checkpoint's with Adam's moments, the data
     position and the schedule as they were. Refuses to overwrite a run without --resume."""
     run_dir = Path(options.output)
@@ -373,7 +393,7 @@ def _start_or_resume(options: TrainOptions, processes: Processes, config: ModelC
 
     loaded, state = checkpoints.load_checkpoint(run_dir, existing[-1][0], processes.device)
     _check_resume(loaded.config, config, loaded.src_vocab.checksum,
-                  data.metadata["src_vocab_sha256"], state.options, recipe, options, processes)
+                  data.metadata["src_vocab_sha256"], state.options, options, processes)
     model = loaded.model.train()
     optimizer = _adam(model)
     if options.reset_optimizer:
@@ -404,7 +424,7 @@ class _Run:
     """What one training run works with; fixed once the run has started."""
 
     options: TrainOptions
-    recipe: dict
+    recipe: Recipe
     processes: Processes
     display: Display
     run_dir: Path
@@ -473,12 +493,12 @@ def _train(options: TrainOptions, processes: Processes, display: Display) -> Pat
     every --log-every steps; a checkpoint (after validation) when one is due and at the end."""
     run, position = _start(options, processes, display)
     step = position.step
-    clock = _Clock(position.elapsed_seconds, step, run.recipe["save_every"], options.max_time)
+    clock = _Clock(position.elapsed_seconds, step, run.recipe.save_every, options.max_time)
     window, last_checkpoint = _Window(), None
-    display.start(run.recipe["max_steps"], step)
+    display.start(run.recipe.max_steps, step)
     with StopRequest() as stop, contextlib.ExitStack() as cleanup:
         cleanup.callback(display.stop)
-        while step < run.recipe["max_steps"]:
+        while step < run.recipe.max_steps:
             # Rank 0's clock decides time-based saving and stopping for every rank (a decision
             # taken apart would leave one rank waiting in a collective for the others).
             loss, nll, tgt, src, lr, votes = _step(run, step, lambda next_step=step + 1: [
@@ -499,7 +519,7 @@ def _train(options: TrainOptions, processes: Processes, display: Display) -> Pat
                                else f"reached --max-time {options.max_time}")
                 break
         else:
-            stop_reason = f"reached {run.recipe['max_steps']} steps"
+            stop_reason = f"reached {run.recipe.max_steps} steps"
     if clock.last_save_step != step or not clock.saved_once:  # the same on every rank
         last_checkpoint = _record(run, step, {"step": step, "elapsed_s": clock.elapsed()},
                                   save=True, clock=clock)
@@ -518,11 +538,11 @@ def _start(options: TrainOptions, processes: Processes,
     if valid is not None:
         data.check_same_vocab(valid)
     dtype = resolve_dtype(options.dtype, processes.device)
-    plan = batch_plan(recipe["batch_tokens"], options.max_tokens, processes.world_size)
+    plan = batch_plan(recipe.batch_tokens, options.max_tokens, processes.world_size)
     config = preset.model_config(len(data.src_vocab),
                                  None if data.shared_vocab else len(data.tgt_vocab),
-                                 dropout=recipe["dropout"])
-    model, optimizer, scaler, position = _start_or_resume(options, processes, config, recipe,
+                                 dropout=recipe.dropout)
+    model, optimizer, scaler, position = _start_or_resume(options, processes, config,
                                                           data, dtype)
     trained = model
     if processes.distributed:
@@ -554,10 +574,10 @@ def _step(run: _Run, step: int, votes: Callable[[], list[float]]):
     # of (global loss sum / global target tokens).
     loss_scale = run.processes.world_size / tgt_tokens
     loss_sum, nll_sum = forward_backward(run.trained, run.data, micro_batches, loss_scale,
-                                         run.recipe["label_smoothing"], run.processes,
+                                         run.recipe.label_smoothing, run.processes,
                                          run.dtype, run.scaler, seed=(run.options.seed, step))
     lr = inverse_sqrt_lr(step + 1 - run.schedule_offset, run.config.d_model,
-                         run.recipe["warmup"], run.recipe["lr_scale"])
+                         run.recipe.warmup, run.recipe.lr_scale)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     loss_sum, nll_sum, *summed = all_reduce_sum([loss_sum, nll_sum, *votes()], run.processes)
@@ -580,7 +600,7 @@ def _record(run: _Run, step: int, row: dict, save: bool, clock: _Clock) -> Path 
     rewrites this row, never loses it. Returns the checkpoint written (None: none)."""
     if save and run.valid is not None:
         row.update(evaluate(run.trained, run.valid, run.plan.max_tokens,
-                            run.recipe["label_smoothing"], run.processes, run.dtype))
+                            run.recipe.label_smoothing, run.processes, run.dtype))
     if len(row) > 2:  # more than the step and the time
         _write_metrics(run.run_dir, row, run.processes)
     checkpoint = None
@@ -630,7 +650,8 @@ def _save(run_dir: Path, step: int, run: _Run, elapsed: float) -> Path | None:
         return None
     epoch, offset = run.stream.position
     state = checkpoints.ResumeState(step=step, epoch=epoch, offset=offset,
-                                    elapsed_seconds=elapsed, options=run.recipe, adam={},
+                                    elapsed_seconds=elapsed, options=run.options.record(),
+                                    adam={},
                                     scaler=run.scaler.state_dict() if run.scaler.is_enabled()
                                     else {}, schedule_offset=run.schedule_offset)
     tgt_vocab = None if run.data.shared_vocab else run.data.tgt_vocab
@@ -650,7 +671,7 @@ def _write_metrics(run_dir: Path, row: dict, processes: Processes) -> None:
 
 
 def _check_resume(saved_config: ModelConfig, config: ModelConfig, saved_vocab: str,
-                  data_vocab: str, saved_options: dict, recipe: dict, options: TrainOptions,
+                  data_vocab: str, saved_options: dict, options: TrainOptions,
                   processes: Processes) -> None:
     """Refuse a changed architecture or vocabulary; say which options differ."""
     if saved_vocab != data_vocab:
@@ -664,10 +685,11 @@ def _check_resume(saved_config: ModelConfig, config: ModelConfig, saved_vocab: s
                                 f"{getattr(config, name)}" for name in changed)
         raise AttnError(f"the run in {options.output} has another architecture "
                         f"({differences}); start a new run to change it")
-    for key in sorted(set(recipe) | set(saved_options)):
+    recorded = options.record()
+    for key in sorted(set(recorded) | set(saved_options)):
         if key in ("resume", "schedule_offset"):
             continue
-        before, after = saved_options.get(key), recipe.get(key)
+        before, after = saved_options.get(key), recorded.get(key)
         if before != after:
             note = "" if key in FREELY_CHANGED else " (changes the recipe)"
             _log(processes, f"resume: {key} {before} -> {after}{note}")
