@@ -20,6 +20,7 @@ import typer
 from . import __version__
 from .config import PRESETS
 from .files import AttnError
+from .trees import TERMINALS
 
 app = typer.Typer(
     name="attn",
@@ -61,43 +62,18 @@ REPLACE_INVALID_HELP = ("Replace invalid UTF-8 bytes by U+FFFD (stderr names the
                         "instead of stopping with an error: training data should be clean.")
 
 
-class Device(str, Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
+def _choices(name: str, values) -> type[Enum]:
+    """A str Enum whose members are `values`: choices that click checks and `--help` lists."""
+    return Enum(name, [(value, value) for value in values], type=str)
 
 
-class Precision(str, Enum):
-    auto = "auto"
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-class VocabType(str, Enum):
-    bpe = "bpe"
-    unigram = "unigram"
-
-
-class TreeTerminals(str, Enum):  # the values are trees.TERMINALS
-    placeholders = "placeholders"
-    words = "words"
-
-
-class ModelTerminals(str, Enum):
-    auto = "auto"
-    placeholders = "placeholders"
-    words = "words"
-
-
-class WordScores(str, Enum):  # the values are TreeConstraint.WORD_SCORES
-    given = "given"
-    joint = "joint"
-
-
-class OutputFormat(str, Enum):
-    text = "text"
-    json = "json"
+Device = _choices("Device", ("auto", "cpu", "cuda"))
+Precision = _choices("Precision", ("auto", "fp32", "bf16", "fp16"))
+VocabType = _choices("VocabType", ("bpe", "unigram"))
+TreeTerminals = _choices("TreeTerminals", TERMINALS)
+ModelTerminals = _choices("ModelTerminals", ("auto", *TERMINALS))
+WordScores = _choices("WordScores", ("given", "joint"))  # TreeConstraint's (a torch module)
+OutputFormat = _choices("OutputFormat", ("text", "json"))
 
 
 # Options that decode, parse and score share, declared once.
