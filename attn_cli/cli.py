@@ -441,14 +441,11 @@ def _score_text(hypothesis_path: str, ref: str, names: list[str], tokenize: str,
 def _score_with_model(model_path: Path, src: str, tgt: str, device: str, dtype: str,
                       batch_tokens: int, threads: int, strict: bool, as_json: bool) -> None:
     from . import scoring
-    from .devices import pick_device, resolve_dtype
-    from .modelfile import load_model
-    from .translate import set_threads
+    from .devices import resolve_dtype
+    from .translate import prepare_model
 
     sources, targets, bad_line = scoring.read_parallel(src, tgt, _utf8_policy(strict))
-    set_threads(threads)
-    chosen = pick_device(device)
-    loaded = load_model(model_path, device=chosen)
+    loaded, chosen, _ = prepare_model(model_path, device, threads)
     started = time.perf_counter()
     results = scoring.force_decode(loaded, sources, targets, chosen,
                                    resolve_dtype(dtype, chosen), batch_tokens)

@@ -72,15 +72,14 @@ class Utf8Policy:
                      f"(byte {error.start + 1} of the line)")
             if self.strict:
                 raise AttnError(where) from None
-        lines = self.replaced.setdefault(display_name(path), [])
-        lines.append(line_number)
-        if sum(map(len, self.replaced.values())) <= self.NAMED:
+        self.replaced.setdefault(display_name(path), []).append(line_number)
+        if self.count <= self.NAMED:
             self.warn(f"warning: {where}, replaced by U+FFFD")
         return raw.decode("utf-8", "replace").rstrip("\r\n")
 
     def finish(self) -> None:
         """The count, when more lines were replaced than were named."""
-        if sum(map(len, self.replaced.values())) <= self.NAMED:
+        if self.count <= self.NAMED:
             return
         for name, lines in self.replaced.items():
             self.warn(f"warning: {name}: {len(lines)} line(s) with invalid UTF-8 in all, bytes "
@@ -92,12 +91,6 @@ class Utf8Policy:
 
 
 STRICT = Utf8Policy(strict=True)
-
-
-def decode_line(raw: bytes, path: str | os.PathLike, line_number: int,
-                policy: Utf8Policy = STRICT) -> str:
-    """One line of UTF-8 without its line ending; invalid bytes as `policy` says."""
-    return policy.decode(raw, path, line_number)
 
 
 def read_lines(path: str | os.PathLike, policy: Utf8Policy = STRICT) -> Iterator[str]:

@@ -158,7 +158,7 @@ def tree_scores(gold_path: str, test_path: str, max_errors: int = MAX_ERRORS,
     them with `tree_totals`). Error sentences are reported through `warn`; more than
     `max_errors` of them is an error (EVALB's MAX_ERROR, which EVALB itself checks against its
     count of error messages, stopping one sentence later)."""
-    from .trees import EvalbMismatch, evalb_length, read_treebank
+    from .trees import EvalbMismatch, evalb_tree, read_treebank
 
     warn = warn or (lambda message: None)
     gold = list(read_treebank([gold_path]))
@@ -167,16 +167,16 @@ def tree_scores(gold_path: str, test_path: str, max_errors: int = MAX_ERRORS,
     if len(gold) != len(raw_lines):
         raise AttnError(f"tree counts differ: {display_name(gold_path)} has {len(gold)} trees, "
                         f"{name} has {len(raw_lines)} lines")
-    errors = skipped = 0
+    skipped = 0
     error_lines: list[int] = []
     try:
         for number, (gold_tree, raw) in enumerate(zip(gold, raw_lines), start=1):
             line = policy.decode(raw, test_path, number)
             try:
-                gold_length = evalb_length(gold_tree)
+                gold_view = evalb_tree(gold_tree)  # once per gold tree
             except EvalbMismatch as error:
                 raise AttnError(f"{display_name(gold_path)}: tree {number}: {error}") from None
-            counts, reason = score_tree_line(gold_tree, line, f"{name}:{number}")
+            counts, reason = score_tree_line(gold_view, line, f"{name}:{number}")
             if reason is not None:
                 error_lines.append(number)
                 if len(error_lines) > max_errors:
@@ -184,13 +184,13 @@ def tree_scores(gold_path: str, test_path: str, max_errors: int = MAX_ERRORS,
                                     f"error sentences, more than --max-errors {max_errors}"
                                     ) from None
                 warn(f"score: {name}:{number}: error sentence, not scored: {reason}")
-            errors, skipped = errors + counts.errors, skipped + counts.skipped
-            yield TreeSentence(number, counts, gold_length, reason)
+            skipped += counts.skipped
+            yield TreeSentence(number, counts, gold_view.length, reason)
     finally:
         policy.finish()
-    if errors or skipped:
-        warn(f"score: {errors} error and {skipped} skip sentence(s) not scored (as EVALB "
-             f"counts them){': errors at lines ' if error_lines else ''}"
+    if error_lines or skipped:
+        warn(f"score: {len(error_lines)} error and {skipped} skip sentence(s) not scored (as "
+             f"EVALB counts them){': errors at lines ' if error_lines else ''}"
              f"{', '.join(map(str, error_lines))}")
 
 
@@ -205,8 +205,8 @@ def tree_totals(sentences: list[TreeSentence]) -> dict[str, BracketCounts]:
 
 
 def score_tree_line(gold, line: str, where: str):
-    """(counts, None) for one test line against its gold tree, or (an error sentence's counts,
-    why) when the line is not one tree over the gold's words."""
+    """(counts, None) for one test line against its gold tree (a Tree or its EvalbTree), or (an
+    error sentence's counts, why) when the line is not one tree over the gold's words."""
     from .trees import EvalbMismatch, evalb_sentence, read_trees
 
     try:

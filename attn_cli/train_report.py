@@ -107,7 +107,7 @@ def parameter_groups(model: Transformer) -> dict[str, int]:
 def describe_model(preset: Preset, config: ModelConfig, recipe: Recipe | None = None,
                    plan: BatchPlan | None = None) -> str:
     """The `--dry-run` report: architecture, recipe and parameter counts, ending `params: N`."""
-    recipe = recipe or TrainOptions(data=None, output=None, preset=preset.name).recipe()
+    recipe = recipe or Recipe.from_preset(preset)
     with torch.device("meta"):  # shapes only: instant even for `big`
         model = Transformer(config)
     groups = parameter_groups(model)

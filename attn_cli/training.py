@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import checkpoints
-from .config import ModelConfig, get_preset
+from .config import ModelConfig, Preset, get_preset
 from .data import Batch, ParallelData, collate, token_batches
 from .devices import autocast, pick_device, resolve_dtype
 from .files import AttnError
@@ -215,10 +215,8 @@ class TrainOptions:
 
     def recipe(self) -> "Recipe":
         """The preset with this run's overrides: what the run actually uses."""
-        preset = get_preset(self.preset)
-        given = {name: getattr(self, name) for name in Recipe.PRESET_FIELDS}
-        return Recipe(**{name: getattr(preset, field) if given[name] is None else given[name]
-                         for name, field in Recipe.PRESET_FIELDS.items()})
+        return Recipe.from_preset(get_preset(self.preset), **{
+            name: getattr(self, name) for name in Recipe.PRESET_FIELDS})
 
     def record(self) -> dict:
         """Every option, the recipe's filled in, as JSON values: what a checkpoint keeps to tell
@@ -246,6 +244,12 @@ class Recipe:
         "batch_tokens": "batch_tokens", "max_steps": "max_steps", "save_every": "save_every",
         "lr_scale": "lr_scale", "warmup": "warmup_steps", "label_smoothing": "label_smoothing",
         "dropout": "dropout"}
+
+    @classmethod
+    def from_preset(cls, preset: Preset, **overrides) -> "Recipe":
+        """The preset's recipe, with the overrides that are not None."""
+        return cls(**{name: getattr(preset, field) if overrides.get(name) is None
+                      else overrides[name] for name, field in cls.PRESET_FIELDS.items()})
 
 
 # Options a resumed run may change without a --reset flag (they do not alter what was learned).

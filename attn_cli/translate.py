@@ -276,6 +276,18 @@ def search_workers(threads: int, workers: int, device: torch.device) -> tuple[in
     return workers, max(1, threads // workers)
 
 
+def prepare_model(model_path, device: str = "auto", threads: int = 0
+                  ) -> tuple[LoadedModel, torch.device, int]:
+    """A model file loaded for inference: on `device` (auto: a GPU when torch sees one), with
+    this thread's torch threads set (0: every core). Returns (model, device, threads)."""
+    from .devices import pick_device
+    from .modelfile import load_model
+
+    threads = set_threads(threads)
+    chosen = pick_device(device)
+    return load_model(model_path, device=chosen), chosen, threads
+
+
 def load_translator(model_path, beam: int = 4, *, device: str = "auto", dtype: str = "auto",
                     threads: int = 0, workers: int = 0, warn=None, **options) -> Translator:
     """A model file made ready to decode: the device (auto: a GPU when torch sees one),
@@ -287,13 +299,10 @@ def load_translator(model_path, beam: int = 4, *, device: str = "auto", dtype: s
         translator = load_translator("model.st")
         translator.translate(["A man is riding a bike."])  # ["Ein Mann fährt Fahrrad."]
     """
-    from .devices import inference_dtype, pick_device
-    from .modelfile import load_model
+    from .devices import inference_dtype
 
-    threads = set_threads(threads)
-    chosen = pick_device(device)
+    loaded, chosen, threads = prepare_model(model_path, device, threads)
     workers, worker_threads = search_workers(threads, workers, chosen)
-    loaded = load_model(model_path, device=chosen)
     settings = DecodeOptions(beam=beam, workers=workers, worker_threads=worker_threads,
                              **options)
     return Translator(loaded, settings, chosen, inference_dtype(dtype, chosen), warn=warn)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .files import AttnError
 
@@ -237,7 +237,6 @@ DELETED_LABELS = frozenset({"TOP", "-NONE-", ",", ":", "``", "''", "."})  # DELE
 NOT_COUNTED_FOR_LENGTH = frozenset({"-NONE-"})  # DELETE_LABEL_FOR_LENGTH
 CUTOFF_LENGTH = 40  # CUTOFF_LEN
 MAX_ERRORS = 10  # MAX_ERROR
-PUNCTUATION_TAGS = DELETED_LABELS - {"TOP", "-NONE-"}
 
 
 def evalb_label(label: str) -> str:
@@ -253,11 +252,16 @@ class EvalbMismatch(Exception):
 
 @dataclass
 class EvalbTree:
-    """What EVALB sees of a tree: its words, their tags, its counted brackets."""
+    """What EVALB sees of a tree: its words, its counted brackets, its terminals' tags."""
 
     words: list[str]  # without the deleted terminals (traces, punctuation)
     brackets: Counter  # (label, start, end) over `words`, a multiset
-    length: int  # words for the length cut-off: every terminal but -NONE-
+    tags: list[str]  # of every terminal but -NONE- (punctuation included)
+
+    @property
+    def length(self) -> int:
+        """Words for the length cut-off: every terminal but -NONE-."""
+        return len(self.tags)
 
 
 def evalb_tree(tree: Tree, gold_tags: list[str] | None = None) -> EvalbTree:
@@ -265,16 +269,15 @@ def evalb_tree(tree: Tree, gold_tags: list[str] | None = None) -> EvalbTree:
     test tree's placeholder tags. Raises EvalbMismatch for a word outside a preterminal."""
     words: list[str] = []
     brackets: Counter = Counter()
-    length = 0
+    tags: list[str] = []
 
     def walk(node: Tree) -> None:
-        nonlocal length
         if node.is_preterminal:
             tag = node.label
             if tag not in NOT_COUNTED_FOR_LENGTH:
-                if tag == PLACEHOLDER and gold_tags is not None and length < len(gold_tags):
-                    tag = gold_tags[length]
-                length += 1
+                if tag == PLACEHOLDER and gold_tags is not None and len(tags) < len(gold_tags):
+                    tag = gold_tags[len(tags)]
+                tags.append(tag)
             if tag not in DELETED_LABELS:
                 words.append(node.children[0])
             return
@@ -288,12 +291,7 @@ def evalb_tree(tree: Tree, gold_tags: list[str] | None = None) -> EvalbTree:
             brackets[(label, start, len(words))] += 1
 
     walk(tree)
-    return EvalbTree(words, brackets, length)
-
-
-def gold_tags(tree: Tree) -> list[str]:
-    """The tags of a gold tree's terminals, -NONE- left out (the test tree's positions)."""
-    return [p.label for p in tree.preterminals() if p.label not in NOT_COUNTED_FOR_LENGTH]
+    return EvalbTree(words, brackets, tags)
 
 
 @dataclass
@@ -310,8 +308,7 @@ class BracketCounts:
     skipped: int = 0
 
     def add(self, other: "BracketCounts") -> None:
-        for name in ("matched", "gold", "test", "sentences", "exact", "crossing", "errors",
-                     "skipped"):
+        for name in (counted.name for counted in fields(self)):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
@@ -346,13 +343,14 @@ def _crosses(a: tuple[str, int, int], b: tuple[str, int, int]) -> bool:
     return a_start < b_start < a_end < b_end or b_start < a_start < b_end < a_end
 
 
-def evalb_sentence(gold: Tree, test: Tree | None) -> BracketCounts:
-    """One sentence's counts. A test tree with no words (or None: nothing on its line) is a
-    skip sentence; EvalbMismatch says why it is an error sentence."""
-    gold_view = evalb_tree(gold)
+def evalb_sentence(gold: Tree | EvalbTree, test: Tree | None) -> BracketCounts:
+    """One sentence's counts (`gold` as read, or already as EVALB sees it). A test tree with no
+    words (or None: nothing on its line) is a skip sentence; EvalbMismatch says why it is an
+    error sentence."""
+    gold_view = gold if isinstance(gold, EvalbTree) else evalb_tree(gold)
     if test is None:
         return BracketCounts(sentences=1, skipped=1)
-    test_view = evalb_tree(test, gold_tags(gold))
+    test_view = evalb_tree(test, gold_view.tags)
     if not test_view.words:
         return BracketCounts(sentences=1, skipped=1)
     if len(test_view.words) != len(gold_view.words):
@@ -371,7 +369,3 @@ def evalb_sentence(gold: Tree, test: Tree | None) -> BracketCounts:
     return BracketCounts(matched, gold_count, test_count, sentences=1,
                          exact=int(matched == gold_count == test_count), crossing=crossing)
 
-
-def evalb_length(gold: Tree) -> int:
-    """The sentence length the cut-off looks at: the gold tree's terminals but -NONE-."""
-    return evalb_tree(gold).length
