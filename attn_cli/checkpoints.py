@@ -20,13 +20,17 @@ from pathlib import Path
 import torch
 
 from .files import AttnError
+from .formats import (
+    ADAM_MOMENTS,
+    METRICS_FILE,
+    STATE_FORMAT,
+    STATE_FORMAT_VERSION,
+    adam_tensor,
+)
 from .modelfile import LoadedModel, load_model, read_model_header, save_model, unwrap
 from .vocab import Vocabulary
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)\.st$")
-STATE_FORMAT = "attn-train-state"
-STATE_FORMAT_VERSION = "1"
-METRICS_FILE = "metrics.jsonl"
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
@@ -96,21 +100,22 @@ def adam_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
             if not state:
                 continue
             name = names[id(parameter)]
-            for key in ("exp_avg", "exp_avg_sq"):
-                tensors[f"{key}.{name}"] = state[key].detach().to("cpu").contiguous()
-            tensors[f"step.{name}"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1)
+            for moment in ADAM_MOMENTS:
+                tensors[adam_tensor(moment, name)] = state[moment].detach().to("cpu").contiguous()
+            tensors[adam_tensor("step", name)] = torch.as_tensor(
+                state["step"], dtype=torch.float32).reshape(1)
     return tensors
 
 
 def restore_adam(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  tensors: dict[str, torch.Tensor]) -> None:
     for name, parameter in unwrap(model).named_parameters():
-        if f"exp_avg.{name}" not in tensors:
+        if adam_tensor("exp_avg", name) not in tensors:
             continue
         optimizer.state[parameter] = {
-            "step": tensors[f"step.{name}"].reshape(()).clone(),
-            "exp_avg": tensors[f"exp_avg.{name}"].to(parameter.device),
-            "exp_avg_sq": tensors[f"exp_avg_sq.{name}"].to(parameter.device),
+            "step": tensors[adam_tensor("step", name)].reshape(()).clone(),
+            **{moment: tensors[adam_tensor(moment, name)].to(parameter.device)
+               for moment in ADAM_MOMENTS},
         }
 
 

@@ -17,9 +17,10 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from . import __version__
+from . import __version__, formats
 from .config import PRESETS
 from .files import AttnError
+from .scoring import TOKENIZERS
 from .trees import TERMINALS
 
 app = typer.Typer(
@@ -74,6 +75,8 @@ TreeTerminals = _choices("TreeTerminals", TERMINALS)
 ModelTerminals = _choices("ModelTerminals", ("auto", *TERMINALS))
 WordScores = _choices("WordScores", ("given", "joint"))  # TreeConstraint's (a torch module)
 OutputFormat = _choices("OutputFormat", ("text", "json"))
+Tokenizer = _choices("Tokenizer", TOKENIZERS)
+TRANSLATION, PARSING = formats.TRANSLATION, formats.PARSING
 
 
 # Options that decode, parse and score share, declared once.
@@ -301,14 +304,17 @@ def _text_stdout():
 @app.command()
 def decode(
     model_path: Path = typer.Option(..., "-m", "--model", help="A model file (.st)."),
-    beam: int = typer.Option(4, "--beam", min=1, help="Beam size (paper: 4); 1 is greedy."),
-    alpha: float = typer.Option(0.6, "--alpha", min=0.0, help="Length penalty α (paper: 0.6)."),
-    max_len_a: MaxLenAOption = 1.0,
-    max_len_b: int = typer.Option(50, "--max-len-b", min=0, help="... and b (paper: 50)."),
+    beam: int = typer.Option(TRANSLATION.beam, "--beam", min=1, help="Beam size (paper: "
+                             f"{TRANSLATION.beam}); 1 is greedy."),
+    alpha: float = typer.Option(TRANSLATION.alpha, "--alpha", min=0.0, help="Length penalty α "
+                                f"(paper: {TRANSLATION.alpha})."),
+    max_len_a: MaxLenAOption = TRANSLATION.max_len_a,
+    max_len_b: int = typer.Option(TRANSLATION.max_len_b, "--max-len-b", min=0,
+                                  help=f"... and b (paper: {TRANSLATION.max_len_b})."),
     nbest: int = typer.Option(1, "--nbest", min=1, help="Print the K best as "
                               "`index<TAB>score<TAB>hypothesis` lines (index from 0)."),
-    batch_tokens: BatchTokensOption = 8000,
-    buffer_size: BufferSizeOption = 2000,
+    batch_tokens: BatchTokensOption = formats.BATCH_TOKENS,
+    buffer_size: BufferSizeOption = formats.BUFFER_SIZE,
     device: DeviceOption = Device.auto,
     dtype: PrecisionOption = Precision.auto,
     threads: ThreadsOption = 0,
@@ -356,9 +362,9 @@ def score(
                                               "TGT with this model: per-line log-probs."),
     metrics: str = typer.Option("bleu,chrf", "--metrics", help="Comma-separated: bleu, chrf, "
                                 "ter."),
-    tokenize: str = typer.Option("13a", "--tokenize", help="BLEU tokenizer: 13a (sacreBLEU's "
-                                 "default), intl (the paper's tensor2tensor-style tokenized "
-                                 "BLEU), none, ..."),
+    tokenize: Tokenizer = typer.Option(Tokenizer("13a"), "--tokenize", help="BLEU tokenizer, "
+                                       "sacreBLEU's: 13a (its default), intl (the paper's "
+                                       "tensor2tensor-style tokenized BLEU), and others."),
     lowercase: bool = typer.Option(False, "--lowercase", help="Case-insensitive scores."),
     sentence_level: bool = typer.Option(False, "--sentence-level",
                                         help="One score per line (the first metric)."),
@@ -371,7 +377,7 @@ def score(
                                                "-m, one per line)."),
     device: DeviceOption = Device.auto,
     dtype: PrecisionOption = Precision.auto,
-    batch_tokens: BatchTokensOption = 8000,
+    batch_tokens: BatchTokensOption = formats.BATCH_TOKENS,
     threads: ThreadsOption = 0,
     max_errors: int = typer.Option(10, "--max-errors", min=0, help="With --trees: error "
                                    "sentences (words that differ from the gold tree's) "
@@ -399,7 +405,7 @@ def score(
         if len(files) > 1:
             raise AttnError("score --ref REF takes one hypothesis file (or stdin)")
         names = [name.strip().lower() for name in metrics.split(",") if name.strip()]
-        _score_text(files[0] if files else "-", ref, names, tokenize, lowercase,
+        _score_text(files[0] if files else "-", ref, names, tokenize.value, lowercase,
                     sentence_level, strict, as_json)
 
 
@@ -493,12 +499,15 @@ def parse(
     context: typer.Context,
     model_path: Optional[Path] = typer.Option(None, "-m", "--model",
                                               help="A parser model file (.st)."),
-    beam: int = typer.Option(21, "--beam", min=1, help="Beam size (paper: 21)."),
-    alpha: float = typer.Option(0.3, "--alpha", min=0.0, help="Length penalty α (paper: 0.3)."),
-    max_len_a: MaxLenAOption = 1.0,
-    max_len_b: int = typer.Option(300, "--max-len-b", min=0, help="... and b (paper: 300)."),
-    batch_tokens: BatchTokensOption = 8000,
-    buffer_size: BufferSizeOption = 2000,
+    beam: int = typer.Option(PARSING.beam, "--beam", min=1,
+                             help=f"Beam size (paper: {PARSING.beam})."),
+    alpha: float = typer.Option(PARSING.alpha, "--alpha", min=0.0,
+                                help=f"Length penalty α (paper: {PARSING.alpha})."),
+    max_len_a: MaxLenAOption = PARSING.max_len_a,
+    max_len_b: int = typer.Option(PARSING.max_len_b, "--max-len-b", min=0,
+                                  help=f"... and b (paper: {PARSING.max_len_b})."),
+    batch_tokens: BatchTokensOption = formats.BATCH_TOKENS,
+    buffer_size: BufferSizeOption = formats.BUFFER_SIZE,
     device: DeviceOption = Device.auto,
     dtype: PrecisionOption = Precision.auto,
     threads: ThreadsOption = 0,

@@ -12,7 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-CONFIG_FORMAT_VERSION = 1
+from .formats import BOS_ID, CONFIG_FORMAT_VERSION, EOS_ID, PAD_ID, UNK_ID
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,10 +40,10 @@ class ModelConfig(Architecture):
     tgt_vocab_size: int
     max_positions: int = 1024  # table size for learned positions; sinusoids extend past it
     share_embeddings: bool = True  # one matrix for source, target and pre-softmax (§3.4)
-    pad_id: int = 0
-    unk_id: int = 1
-    bos_id: int = 2
-    eos_id: int = 3
+    pad_id: int = PAD_ID
+    unk_id: int = UNK_ID
+    bos_id: int = BOS_ID
+    eos_id: int = EOS_ID
     layer_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:

@@ -28,11 +28,20 @@ from .files import (
     open_binary,
     take_lines,
 )
-from .vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocabulary
-
-DATA_FORMAT = "attn-data"
-DATA_FORMAT_VERSION = "1"
-SIDES = ("src", "tgt")
+from .formats import (
+    BOS_ID,
+    DATA_FORMAT,
+    DATA_FORMAT_VERSION,
+    EOS_ID,
+    FORMAT_DESCRIPTIONS,
+    PAD_ID,
+    SIDES,
+    UNK_ID,
+    ids_tensor,
+    offsets_tensor,
+    vocab_tensor,
+)
+from .vocab import Vocabulary
 
 
 @dataclass
@@ -56,8 +65,9 @@ class _SideWriter:
     """Appends one side's ids and offsets to temporary files (memory does not grow)."""
 
     def __init__(self, directory: str, side: str):
-        self.ids_path = Path(directory) / f"{side}.ids"
-        self.offsets_path = Path(directory) / f"{side}.offsets"
+        self.side = side
+        self.ids_path = Path(directory) / ids_tensor(side)
+        self.offsets_path = Path(directory) / offsets_tensor(side)
         self.ids = open(self.ids_path, "wb")
         self.offsets = open(self.offsets_path, "wb")
         self.offsets.write(np.zeros(1, dtype="<i8").tobytes())
@@ -73,9 +83,9 @@ class _SideWriter:
     def close(self) -> list[stfile.TensorSource]:
         self.ids.close()
         self.offsets.close()
-        return [stfile.TensorSource(f"{self.ids_path.stem}.offsets", np.dtype("<i8"),
+        return [stfile.TensorSource(offsets_tensor(self.side), np.dtype("<i8"),
                                     (self.count + 1,), file=self.offsets_path),
-                stfile.TensorSource(f"{self.ids_path.stem}.ids", np.dtype("<i4"),
+                stfile.TensorSource(ids_tensor(self.side), np.dtype("<i4"),
                                     (self.total,), file=self.ids_path)]
 
 
@@ -141,7 +151,7 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
             raise AttnError(f"no pair left after dropping {stats.dropped_empty} with an empty "
                             f"side and {stats.dropped_too_long} over {max_len} tokens")
         tensors = writers["src"].close() + writers["tgt"].close()
-        tensors += [stfile.TensorSource(f"vocab.{side}", np.dtype(np.uint8),
+        tensors += [stfile.TensorSource(vocab_tensor(side), np.dtype(np.uint8),
                                         (len(vocabulary.model_bytes),),
                                         data=vocabulary.model_bytes)
                     for side, vocabulary in (("src", src_vocab), ("tgt", tgt_vocab))
@@ -199,28 +209,30 @@ class ParallelData:
         self.metadata = header.metadata
         found = header.metadata.get("format")
         if found != DATA_FORMAT:
-            kind = "an attn model file" if found == "attn-model" else "not an attn data file"
+            kind = FORMAT_DESCRIPTIONS.get(found, "not an attn data file")
             raise AttnError(f"data file {path} is {kind}; make one with `attn binarize`")
         if header.metadata.get("format_version") != DATA_FORMAT_VERSION:
             raise AttnError(f"data file {path} has format version "
                             f"{header.metadata.get('format_version')}, this attn reads "
                             f"{DATA_FORMAT_VERSION}: binarize it again")
-        expected = {f"{side}.{part}" for side in SIDES for part in ("ids", "offsets")}
-        missing = expected - set(header.tensors)
-        if missing or "vocab.src" not in header.tensors:
+        expected = {name(side) for side in SIDES for name in (ids_tensor, offsets_tensor)}
+        missing = (expected | {vocab_tensor("src")}) - set(header.tensors)
+        if missing:
             raise AttnError(f"data file {path} is corrupt (missing {sorted(missing)})")
-        self.offsets = {side: stfile.memmap_tensor(path, header, f"{side}.offsets")
+        self.offsets = {side: stfile.memmap_tensor(path, header, offsets_tensor(side))
                         for side in SIDES}
-        self.ids = {side: stfile.memmap_tensor(path, header, f"{side}.ids") for side in SIDES}
+        self.ids = {side: stfile.memmap_tensor(path, header, ids_tensor(side)) for side in SIDES}
         self.src_lengths = np.diff(self.offsets["src"])
         self.tgt_lengths = np.diff(self.offsets["tgt"])
         if (len(self.src_lengths) != len(self.tgt_lengths)
                 or self.offsets["src"][-1] != len(self.ids["src"])
                 or self.offsets["tgt"][-1] != len(self.ids["tgt"])):
             raise AttnError(f"data file {path} is corrupt (offsets do not match the ids)")
-        self.src_vocab = Vocabulary(bytes(stfile.memmap_tensor(path, header, "vocab.src")))
-        self.tgt_vocab = (Vocabulary(bytes(stfile.memmap_tensor(path, header, "vocab.tgt")))
-                          if "vocab.tgt" in header.tensors else None)
+        vocabularies = {side: Vocabulary(bytes(stfile.memmap_tensor(path, header,
+                                                                    vocab_tensor(side))))
+                        for side in SIDES if vocab_tensor(side) in header.tensors}
+        self.src_vocab = vocabularies["src"]
+        self.tgt_vocab = vocabularies.get("tgt")
 
     @property
     def shared_vocab(self) -> bool:

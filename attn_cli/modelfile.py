@@ -17,12 +17,18 @@ import torch
 from . import __version__, stfile
 from .config import ModelConfig
 from .files import AttnError, atomic_path
+from .formats import (
+    FORMAT_DESCRIPTIONS,
+    MODEL_FORMAT,
+    MODEL_FORMAT_VERSION,
+    SHARED_EMBEDDING,
+    SOURCE_EMBEDDING,
+    VOCAB_TENSORS,
+)
 from .model import Transformer, sinusoidal_positions
 from .vocab import Vocabulary
 
-MODEL_FORMAT = "attn-model"
-MODEL_FORMAT_VERSION = "1"
-VOCAB_TENSORS = ("vocab.src", "vocab.tgt")
+SRC_VOCAB, TGT_VOCAB = VOCAB_TENSORS
 
 
 @dataclass
@@ -49,7 +55,7 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     model = unwrap(model)
     state = model.state_dict()
     if model.config.share_embeddings:
-        state.pop("src_embed.weight")
+        state.pop(SOURCE_EMBEDDING)
     return {name: tensor.detach().to("cpu").contiguous() for name, tensor in state.items()}
 
 
@@ -61,10 +67,10 @@ def save_model(path: str | os.PathLike, model: torch.nn.Module, src_vocab: Vocab
 
     config = unwrap(model).config
     payload = dict(tensors if tensors is not None else weights(model))
-    payload["vocab.src"] = torch.frombuffer(bytearray(src_vocab.model_bytes), dtype=torch.uint8)
+    payload[SRC_VOCAB] = torch.frombuffer(bytearray(src_vocab.model_bytes), dtype=torch.uint8)
     separate_target = tgt_vocab is not None and tgt_vocab is not src_vocab
     if separate_target:
-        payload["vocab.tgt"] = torch.frombuffer(bytearray(tgt_vocab.model_bytes),
+        payload[TGT_VOCAB] = torch.frombuffer(bytearray(tgt_vocab.model_bytes),
                                                 dtype=torch.uint8)
     metadata = {
         "format": MODEL_FORMAT, "format_version": MODEL_FORMAT_VERSION,
@@ -82,8 +88,8 @@ def read_model_header(path: str | os.PathLike) -> tuple[stfile.Header, ModelConf
     header = stfile.read_header(path, "model file")
     found = header.metadata.get("format")
     if found != MODEL_FORMAT:
-        if found == "attn-data":
-            raise AttnError(f"model file {path} is a data file from `attn binarize`, not a model")
+        if found in FORMAT_DESCRIPTIONS:
+            raise AttnError(f"model file {path} is {FORMAT_DESCRIPTIONS[found]}, not a model")
         raise AttnError(f"model file {path} is not an attn model (no attn metadata)")
     if header.metadata.get("format_version") != MODEL_FORMAT_VERSION:
         raise AttnError(f"model file {path} has format version "
@@ -93,7 +99,7 @@ def read_model_header(path: str | os.PathLike) -> tuple[stfile.Header, ModelConf
         config = ModelConfig.from_json(header.metadata["config"])
     except (KeyError, ValueError, TypeError) as error:
         raise AttnError(f"model file {path} has a bad config: {error}") from None
-    if "vocab.src" not in header.tensors:
+    if SRC_VOCAB not in header.tensors:
         raise AttnError(f"model file {path} is corrupt (no vocabulary inside)")
     return header, config
 
@@ -117,8 +123,8 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> L
             except AttnError as error:
                 raise AttnError(f"model file {path}: {error}") from None
             vocabularies[name] = vocabulary
-    src_vocab = vocabularies["vocab.src"]
-    tgt_vocab = vocabularies.get("vocab.tgt", src_vocab)
+    src_vocab = vocabularies[SRC_VOCAB]
+    tgt_vocab = vocabularies.get(TGT_VOCAB, src_vocab)
     if len(src_vocab) != config.src_vocab_size or len(tgt_vocab) != config.tgt_vocab_size:
         raise AttnError(f"model file {path} is corrupt: its vocabulary ({len(src_vocab)}/"
                         f"{len(tgt_vocab)} pieces) does not match its config "
@@ -128,7 +134,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> L
     with torch.device("meta"):
         model = Transformer(config)
     if config.share_embeddings:
-        tensors["src_embed.weight"] = tensors.get("tgt_embed.weight")
+        tensors[SOURCE_EMBEDDING] = tensors.get(SHARED_EMBEDDING)
     expected = model.state_dict()
     problems = sorted(set(expected) ^ set(tensors))
     problems += [f"{name} {tuple(tensors[name].shape)} != {tuple(expected[name].shape)}"
@@ -136,7 +142,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> L
                  and tensors[name] is not None and tensors[name].shape != expected[name].shape]
     if problems or any(t is None for t in tensors.values()):
         raise AttnError(f"model file {path}: weights do not match its config "
-                        f"({', '.join(problems[:4]) or 'missing tgt_embed.weight'})")
+                        f"({', '.join(problems[:4]) or 'missing ' + SHARED_EMBEDDING})")
     model.load_state_dict(tensors, assign=True)
     model.sinusoids = sinusoidal_positions(config.max_positions, config.d_model)  # not in files
     model.eval()

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .files import STRICT, AttnError, Utf8Policy, display_name, open_binary
+from .formats import BATCH_TOKENS
 from .trees import CUTOFF_LENGTH, MAX_ERRORS, BracketCounts
 
 METRICS = ("bleu", "chrf", "ter")
@@ -102,7 +103,7 @@ class ForcedScore:
 
 
 def force_decode(loaded, sources: list[str], targets: list[str], device, dtype: str,
-                 batch_tokens: int = 8000) -> list[ForcedScore]:
+                 batch_tokens: int = BATCH_TOKENS) -> list[ForcedScore]:
     """Teacher-forced log-probabilities of each target given its source, in input order."""
     import torch
 

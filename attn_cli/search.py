@@ -20,6 +20,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from .formats import TRANSLATION
+
 
 def length_penalty(length: int | Tensor, alpha: float):
     """GNMT (Wu et al. 2016): lp(Y) = ((5 + |Y|) / 6)^α; |Y| counts the EOS."""
@@ -117,8 +119,9 @@ class Constraint(Protocol):
 
 
 @torch.inference_mode()
-def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = 4, alpha: float = 0.6,
-                max_len_a: float = 1.0, max_len_b: int = 50, nbest: int = 1,
+def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.beam,
+                alpha: float = TRANSLATION.alpha, max_len_a: float = TRANSLATION.max_len_a,
+                max_len_b: int = TRANSLATION.max_len_b, nbest: int = 1,
                 banned: tuple[int, ...] | None = None, longest: int | None = None,
                 constraint: Constraint | None = None,
                 stop_early: bool = True) -> list[list[Hypothesis]]:

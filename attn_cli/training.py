@@ -38,6 +38,7 @@ from .config import ModelConfig, Preset, get_preset
 from .data import Batch, ParallelData, collate, token_batches
 from .devices import autocast, pick_device, resolve_dtype
 from .files import AttnError
+from .formats import METRICS_FILE
 from .model import Transformer
 from .modelfile import unwrap
 
@@ -669,7 +670,7 @@ def _save(run_dir: Path, step: int, run: _Run, elapsed: float) -> Path | None:
 def _write_metrics(run_dir: Path, row: dict, processes: Processes) -> None:
     if not processes.is_main:
         return
-    with open(run_dir / checkpoints.METRICS_FILE, "a", encoding="utf-8") as handle:
+    with open(run_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
         handle.write(json.dumps(row) + "\n")
         handle.flush()
 

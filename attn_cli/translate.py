@@ -22,19 +22,20 @@ import torch
 
 from .devices import pack_for_cpu_inference
 from .files import STRICT, AttnError, Utf8Policy
+from .formats import BATCH_TOKENS, BUFFER_SIZE, MAX_SOURCE_TOKENS, TRANSLATION
 from .modelfile import LoadedModel
 from .search import Hypothesis, beam_search
 
 
 @dataclass
 class DecodeOptions:
-    beam: int = 4
-    alpha: float = 0.6
-    max_len_a: float = 1.0
-    max_len_b: int = 50
+    beam: int = TRANSLATION.beam
+    alpha: float = TRANSLATION.alpha
+    max_len_a: float = TRANSLATION.max_len_a
+    max_len_b: int = TRANSLATION.max_len_b
     nbest: int = 1
-    batch_tokens: int = 8000  # source tokens × beam held by one search batch
-    buffer_size: int = 2000
+    batch_tokens: int = BATCH_TOKENS  # source tokens × beam held by one search batch
+    buffer_size: int = BUFFER_SIZE
     raw: bool = False
     workers: int = 1  # batches searched at once, each by its own thread
     worker_threads: int = 1  # torch threads of each of those
@@ -168,7 +169,7 @@ class Translator:
         # Longest source the model takes: its positions (learned) or any sane length, EOS
         # included; the target side also needs max_len_a·|x| + b positions.
         learned = config.positions == "learned"
-        self.max_source = config.max_positions - 1 if learned else 1023
+        self.max_source = config.max_positions - 1 if learned else MAX_SOURCE_TOKENS
         self.longest_output = config.max_positions - 1 if learned else None
         self.warn = warn or (lambda message: print(message, file=sys.stderr, flush=True))
         self.stats = DecodeStats()
@@ -288,8 +289,9 @@ def prepare_model(model_path, device: str = "auto", threads: int = 0
     return load_model(model_path, device=chosen), chosen, threads
 
 
-def load_translator(model_path, beam: int = 4, *, device: str = "auto", dtype: str = "auto",
-                    threads: int = 0, workers: int = 0, warn=None, **options) -> Translator:
+def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "auto",
+                    dtype: str = "auto", threads: int = 0, workers: int = 0, warn=None,
+                    **options) -> Translator:
     """A model file made ready to decode: the device (auto: a GPU when torch sees one),
     the precision (auto: bf16 on CUDA, fp32 on a CPU), the CPU threads (0: every core) and
     how many batches are searched side by side (0: auto), with the search settings of

@@ -17,9 +17,7 @@ from functools import cached_property
 from pathlib import Path
 
 from .files import STRICT, AttnError, Utf8Policy, atomic_output, check_readable, read_lines
-
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
-SPECIAL_PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
+from .formats import BOS_ID, EOS_ID, PAD_ID, SPECIAL_PIECES, UNK_ID
 
 
 def checksum(model_bytes: bytes) -> str:

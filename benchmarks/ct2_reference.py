@@ -30,14 +30,22 @@ from ctranslate2.converters.converter import Converter
 from ctranslate2.specs import transformer_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from attn_cli.formats import (  # noqa: E402
+    BATCH_TOKENS,
+    BOS_ID,
+    EOS_ID,
+    MAX_SOURCE_TOKENS,
+    PAD_ID,
+    SHARED_EMBEDDING,
+    SOURCE_EMBEDDING,
+    SPECIAL_PIECES,
+    TRANSLATION,
+)
 from attn_cli.modelfile import load_model  # noqa: E402
 from attn_cli.translate import token_budget_batches  # noqa: E402
 from attn_cli.vocab import Vocabulary  # noqa: E402
 
 TEST_SET = Path(__file__).resolve().parent.parent / "examples/multi30k/data/test_2016_flickr.en.gz"
-MAX_SOURCE = 1023  # attn's source limit (sinusoidal positions), EOS not counted
-MAX_LEN_B = 50  # attn's default output limit |x| + 50 (§6.1)
-BATCH_TOKENS = 8000  # attn decode's default: source tokens × beam per batch
 
 
 class AttnConverter(Converter):
@@ -61,7 +69,7 @@ class AttnConverter(Converter):
         # Our interleaved sin/cos table (CTranslate2's default concatenates them), or the
         # learned one; long enough for the longest source and output attn allows.
         length = config.max_positions if config.positions == "learned" else \
-            MAX_SOURCE + 1 + MAX_LEN_B
+            MAX_SOURCE_TOKENS + 1 + TRANSLATION.max_len_b
         positions = model.positions(0, length).detach().numpy()
 
         def linear(layer_spec, name, bias=False):
@@ -84,14 +92,14 @@ class AttnConverter(Converter):
 
         # With pre_norm the spec's sub-layer norms come before each sub-layer and a final norm
         # ends each stack; without, they follow each residual add: both are ours.
-        spec.encoder.embeddings[0].weight = w["src_embed.weight"]
+        spec.encoder.embeddings[0].weight = w[SOURCE_EMBEDDING]
         spec.encoder.position_encodings.encodings = positions
         for i, layer in enumerate(spec.encoder.layer):
             self_attention(layer.self_attention, f"encoder_layers.{i}")
             ffn(layer.ffn, f"encoder_layers.{i}", 1)
-        spec.decoder.embeddings.weight = w["tgt_embed.weight"]
+        spec.decoder.embeddings.weight = w[SHARED_EMBEDDING]
         spec.decoder.position_encodings.encodings = positions
-        spec.decoder.projection.weight = w["tgt_embed.weight"]  # tied, no bias
+        spec.decoder.projection.weight = w[SHARED_EMBEDDING]  # tied, no bias
         for i, layer in enumerate(spec.decoder.layer):
             prefix = f"decoder_layers.{i}"
             self_attention(layer.self_attention, prefix)
@@ -141,21 +149,22 @@ def translate(ct2_dir: str, lines: list[str], beam: int, threads: int, layout: s
     translator = ctranslate2.Translator(ct2_dir, device="cpu", compute_type="float32",
                                        inter_threads=inter, intra_threads=intra)
     if length_penalty is None:
-        length_penalty = 0.6 if beam > 1 else 0.0
+        length_penalty = TRANSLATION.alpha if beam > 1 else 0.0
 
     started = time.perf_counter()
-    sources = [[src_pieces[i] for i in ids[:MAX_SOURCE]] + ["</s>"]
+    eos, pad, bos = (SPECIAL_PIECES[id_] for id_ in (EOS_ID, PAD_ID, BOS_ID))
+    sources = [[src_pieces[i] for i in ids[:MAX_SOURCE_TOKENS]] + [eos]
                for ids in src_vocab.encode(lines)]
     # attn's own batches (sorted by length, sentences × longest ≤ batch_tokens / beam), each
     # submitted on its own so that CT2's inter_threads workers take them side by side. CT2 has
-    # one output limit per call, not per sentence: the batch's longest |x| + 50 (sources in a
+    # one output limit per call, not per sentence: the batch's longest a·|x| + b (sources in a
     # batch differ by a token or two, being sorted by length).
     batches = token_budget_batches([len(s) for s in sources], max(1, batch_tokens // beam))
     pending = [translator.translate_batch(
         [sources[i] for i in batch], asynchronous=True, beam_size=beam,
         length_penalty=length_penalty, max_input_length=0,  # truncated above, as attn does
-        max_decoding_length=max(len(sources[i]) - 1 for i in batch) + MAX_LEN_B,
-        suppress_sequences=[["<pad>"], ["<s>"]])  # attn bans these two
+        max_decoding_length=max(len(sources[i]) - 1 for i in batch) + TRANSLATION.max_len_b,
+        suppress_sequences=[[pad], [bos]])  # attn bans these two
         for batch in batches]
     hypotheses: list = [None] * len(lines)
     for batch, results in zip(batches, pending):
@@ -169,12 +178,12 @@ def translate(ct2_dir: str, lines: list[str], beam: int, threads: int, layout: s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-m", "--model", required=True, help="An attn model file (.st).")
-    parser.add_argument("--beam", type=int, default=4)
+    parser.add_argument("--beam", type=int, default=TRANSLATION.beam)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--lines", type=int, default=0, help="First N test lines (0: all).")
     parser.add_argument("--layouts", default="inter,intra", help="Thread layouts to time.")
     parser.add_argument("--length-penalty", type=float, default=None,
-                        help="Default: 0.6 with beam > 1, else 0.")
+                        help=f"Default: {TRANSLATION.alpha} with beam > 1, else 0.")
     parser.add_argument("--compare", help="Count lines identical to this file (attn's output).")
     parser.add_argument("--output", help="Write the (last layout's) translations here.")
     args = parser.parse_args()

@@ -34,8 +34,11 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+from attn_cli.formats import TRANSLATION  # noqa: E402
+
 DATA_DIR = REPO_ROOT / "examples" / "multi30k" / "data"
-TARGETS = {4: (120, 1800), 1: (300, 4500)}
+TARGETS = {TRANSLATION.beam: (120, 1800), 1: (300, 4500)}  # sentences/s, tokens/s
 SUMMARY = re.compile(r"(\d+) sentences, (\d+) output tokens .* in ([\d.]+)s")
 LOADED = re.compile(r"model loaded in ([\d.]+)s")
 
@@ -76,7 +79,8 @@ def median_run(runs: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-m", "--model", required=True)
-    parser.add_argument("--beams", default="4,1")
+    parser.add_argument("--beams", default=f"{TRANSLATION.beam},1",
+                        help="Beam sizes to time, comma-separated (1: greedy).")
     parser.add_argument("--repeats", type=int, default=3, help="Runs of each; medians reported.")
     parser.add_argument("--extra", default="", help="More `attn decode` options, quoted.")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,

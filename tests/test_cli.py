@@ -48,6 +48,41 @@ def test_help_does_not_import_torch():
     assert result.stderr.strip().splitlines()[-1] == "False False"
 
 
+@pytest.mark.parametrize("command,paper", [
+    (("decode",), (4, 0.6, 1.0, 50)),  # §6.1: beam 4, α 0.6, maximum output length |x| + 50
+    (("parse",), (21, 0.3, 1.0, 300)),  # §6.3: beam 21, α 0.3, |x| + 300
+])
+def test_search_defaults_are_the_papers_everywhere(command, paper):
+    """The command's defaults, `--help`'s and the library's are the paper's settings, named once
+    in attn_cli.formats: none of them may drift from the others."""
+    import inspect
+
+    from typer.main import get_command
+
+    from attn_cli import formats, search, translate
+    from attn_cli.cli import app
+
+    settings = formats.TRANSLATION if command == ("decode",) else formats.PARSING
+    assert (settings.beam, settings.alpha, settings.max_len_a, settings.max_len_b) == paper
+    click_command = get_command(app)
+    for name in command:
+        click_command = click_command.commands[name]
+    defaults = {param.name: param.default for param in click_command.params}
+    assert (defaults["beam"], defaults["alpha"], defaults["max_len_a"],
+            defaults["max_len_b"]) == paper
+    assert defaults["batch_tokens"] == formats.BATCH_TOKENS
+    help_text = run_attn(*command, "--help").stdout
+    for value in paper[::3]:  # beam and b are named in the help as the paper's
+        assert f"(paper: {value})" in help_text
+    if command == ("decode",):  # the library translates with what the command does
+        options = translate.DecodeOptions()
+        assert (options.beam, options.alpha, options.max_len_a, options.max_len_b) == paper
+        signature = inspect.signature(search.beam_search).parameters
+        assert tuple(signature[name].default for name in
+                     ("beam", "alpha", "max_len_a", "max_len_b")) == paper
+        assert inspect.signature(translate.load_translator).parameters["beam"].default == 4
+
+
 @pytest.mark.parametrize("preset,low,high", [("base", 60e6, 67e6), ("big", 205e6, 220e6)])
 def test_dry_run_prints_parameter_count(preset, low, high):
     result = run_attn("train", "--preset", preset, "--vocab-size", "37000", "--dry-run")

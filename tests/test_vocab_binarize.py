@@ -8,7 +8,8 @@ from safetensors.numpy import load_file
 
 from attn_cli.data import ParallelData, collate, token_batches
 from attn_cli.files import AttnError
-from attn_cli.vocab import BOS_ID, EOS_ID, PAD_ID, Vocabulary
+from attn_cli.formats import BOS_ID, EOS_ID, PAD_ID
+from attn_cli.vocab import Vocabulary
 
 from .conftest import assert_clean_error, run_attn
 

@@ -1,0 +1,95 @@
+"""What attn's files, commands, library and benchmarks agree on, named once: the file formats and
+their versions, the tensor names inside them, the fixed special ids, and the paper's search
+settings that `decode`, `parse` and the Python API default to. Pure Python (no torch, no numpy),
+so that anything may import it, `benchmarks/` included.
+
+A file format changes only with its version: a reader refuses a version it does not know rather
+than guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# ------------------------------------------------------- file formats (safetensors metadata)
+
+MODEL_FORMAT = "attn-model"  # checkpoint-STEP.st, averaged model.st
+MODEL_FORMAT_VERSION = "1"
+DATA_FORMAT = "attn-data"  # `attn binarize`
+DATA_FORMAT_VERSION = "1"
+STATE_FORMAT = "attn-train-state"  # checkpoint-STEP.state.st
+STATE_FORMAT_VERSION = "1"
+CONFIG_FORMAT_VERSION = 1  # the model config's JSON, inside every model file
+
+FORMAT_DESCRIPTIONS = {
+    MODEL_FORMAT: "an attn model file",
+    DATA_FORMAT: "a data file from `attn binarize`",
+    STATE_FORMAT: "an attn training state",
+}
+
+# ------------------------------------------------------------------------------ tensor names
+
+SIDES = ("src", "tgt")
+
+
+def vocab_tensor(side: str) -> str:
+    """The SentencePiece model bytes (uint8) of a side; model and data files carry `vocab.src`,
+    and `vocab.tgt` only when the target vocabulary is separate."""
+    return f"vocab.{side}"
+
+
+VOCAB_TENSORS = tuple(vocab_tensor(side) for side in SIDES)
+
+
+def ids_tensor(side: str) -> str:
+    """Data files: a side's token ids end to end (int32, no BOS/EOS)."""
+    return f"{side}.ids"
+
+
+def offsets_tensor(side: str) -> str:
+    """Data files: n+1 offsets (int64); sentence i is ids[offsets[i]:offsets[i+1]]."""
+    return f"{side}.offsets"
+
+
+# Model files store a shared embedding (source, target, pre-softmax: §3.4) once, under this name.
+SHARED_EMBEDDING = "tgt_embed.weight"
+SOURCE_EMBEDDING = "src_embed.weight"
+
+
+def adam_tensor(moment: str, parameter: str) -> str:
+    """State files: Adam's `exp_avg`, `exp_avg_sq` and `step` of a parameter, by its name."""
+    return f"{moment}.{parameter}"
+
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+# ------------------------------------------------------------------------------- run directory
+
+METRICS_FILE = "metrics.jsonl"
+
+# ------------------------------------------------------------------ vocabulary: fixed special ids
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+SPECIAL_PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
+
+# -------------------------------------------------------------------------------- search settings
+
+
+@dataclass(frozen=True)
+class SearchDefaults:
+    """Beam size, length penalty α and output limit a·|x| + b, as the paper gives them."""
+
+    beam: int
+    alpha: float
+    max_len_a: float
+    max_len_b: int
+
+
+TRANSLATION = SearchDefaults(beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50)  # §6.1
+PARSING = SearchDefaults(beam=21, alpha=0.3, max_len_a=1.0, max_len_b=300)  # §6.3
+
+BATCH_TOKENS = 8000  # source tokens × beam held by one search batch (score -m: tokens per batch)
+BUFFER_SIZE = 2000  # lines read ahead and sorted by length
+# Longest source a model with sinusoidal positions takes, EOS not counted (learned positions:
+# the table's size less one).
+MAX_SOURCE_TOKENS = 1023
