@@ -18,11 +18,13 @@ from .config import ModelConfig
 
 def sinusoidal_positions(length: int, d_model: int) -> Tensor:
     """§3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model)),
-    PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model))."""
-    position = torch.arange(length, dtype=torch.float64).unsqueeze(1)  # (L, 1)
-    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (D/2,)
+    PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)). A constant, always computed on the CPU (also
+    for a model built on the meta device to be loaded: files do not hold it)."""
+    cpu = torch.device("cpu")
+    position = torch.arange(length, dtype=torch.float64, device=cpu).unsqueeze(1)  # (L, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64, device=cpu)  # (D/2,)
     angle = position / torch.pow(10000.0, two_i / d_model)  # (L, D/2)
-    table = torch.empty(length, d_model, dtype=torch.float64)
+    table = torch.empty(length, d_model, dtype=torch.float64, device=cpu)
     table[:, 0::2] = torch.sin(angle)
     table[:, 1::2] = torch.cos(angle)
     return table.float()
@@ -254,6 +256,17 @@ class DecoderCache:
                             self.step, rows)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding that draws no weights on the meta device. A model to be loaded from a file is
+    built there (modelfile.load_model: no memory, nothing drawn that the file replaces), and
+    normal_ on a meta tensor runs torch's Python reference kernel, whose first call imports
+    torch._dynamo: 0.8 s of every `attn decode`'s start-up."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class Transformer(nn.Module):
     """§3.1 encoder-decoder. `forward` is teacher-forced; `encode` + `start_decoding` +
     `decode_step` are the incremental path used by search."""
@@ -263,13 +276,13 @@ class Transformer(nn.Module):
         self.config = config
         d_model = config.d_model
         # §3.4: one embedding matrix for source, target and the pre-softmax projection.
-        self.tgt_embed = nn.Embedding(config.tgt_vocab_size, d_model, padding_idx=config.pad_id)
+        self.tgt_embed = Embedding(config.tgt_vocab_size, d_model, padding_idx=config.pad_id)
         self.src_embed = (self.tgt_embed if config.share_embeddings
-                          else nn.Embedding(config.src_vocab_size, d_model,
-                                            padding_idx=config.pad_id))
+                          else Embedding(config.src_vocab_size, d_model,
+                                         padding_idx=config.pad_id))
         self.embed_scale = math.sqrt(d_model)
         if config.positions == "learned":
-            self.learned_positions = nn.Embedding(config.max_positions, d_model)
+            self.learned_positions = Embedding(config.max_positions, d_model)
         self.register_buffer("sinusoids", sinusoidal_positions(config.max_positions, d_model),
                              persistent=False)
         self.embed_dropout = nn.Dropout(config.dropout)
@@ -285,6 +298,8 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        if self.tgt_embed.weight.is_meta:  # built to be loaded: see Embedding
+            return
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)

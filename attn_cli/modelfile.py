@@ -25,7 +25,7 @@ from .formats import (
     SOURCE_EMBEDDING,
     VOCAB_TENSORS,
 )
-from .model import Transformer, sinusoidal_positions
+from .model import Transformer
 from .vocab import Vocabulary
 
 SRC_VOCAB, TGT_VOCAB = VOCAB_TENSORS
@@ -144,6 +144,5 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> L
         raise AttnError(f"model file {path}: weights do not match its config "
                         f"({', '.join(problems[:4]) or 'missing ' + SHARED_EMBEDDING})")
     model.load_state_dict(tensors, assign=True)
-    model.sinusoids = sinusoidal_positions(config.max_positions, config.d_model)  # not in files
     model.eval()
     return LoadedModel(model.to(device), src_vocab, tgt_vocab, dict(header.metadata))

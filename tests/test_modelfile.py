@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -66,6 +68,36 @@ def test_separate_vocabularies_round_trip(vocabulary, tmp_path):
     loaded = load_model(path)
     assert loaded.model.src_embed is not loaded.model.tgt_embed
     torch.testing.assert_close(loaded.model.src_embed.weight, model.src_embed.weight)
+
+
+@pytest.mark.parametrize("changes", [{"positions": "learned"}, {"norm": "pre"},
+                                     {"share_embeddings": False}])
+def test_every_architecture_loads_to_the_same_function(vocabulary, tmp_path, changes):
+    """Built on the meta device and filled from the file: learned positions, pre-norm and
+    separate embeddings come back whole (the sinusoids, in no file, are recomputed)."""
+    config = dataclasses.replace(PRESETS["tiny"].model_config(len(vocabulary)), **changes)
+    torch.manual_seed(3)
+    model = Transformer(config).eval()
+    save_model(tmp_path / "model.st", model, vocabulary)
+    loaded = load_model(tmp_path / "model.st").model
+    assert all(not tensor.is_meta for tensor in [*loaded.parameters(), *loaded.buffers()])
+    torch.testing.assert_close(loaded.sinusoids, model.sinusoids, rtol=0, atol=0)
+    src = torch.randint(4, len(vocabulary), (2, 7))
+    tgt = torch.randint(4, len(vocabulary), (2, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(src, tgt), model(src, tgt), rtol=0, atol=0)
+
+
+def test_loading_a_model_stays_out_of_torch_dynamo(saved):
+    """Building on the meta device must not run torch's Python reference kernels (normal_,
+    arange on meta tensors), whose first call imports torch._dynamo: 0.8 s of every decode's
+    start-up."""
+    _, path = saved
+    code = ("import sys\nfrom attn_cli.modelfile import load_model\n"
+            f"load_model({str(path)!r})\nprint('torch._dynamo' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("damage,message", [
