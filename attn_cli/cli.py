@@ -17,9 +17,10 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from . import __version__, formats
+from . import __version__
 from .config import PRESETS
 from .files import AttnError
+from .formats import BATCH_TOKENS, BUFFER_SIZE, PARSING, TRANSLATION
 from .scoring import TOKENIZERS
 from .trees import TERMINALS
 
@@ -76,7 +77,6 @@ ModelTerminals = _choices("ModelTerminals", ("auto", *TERMINALS))
 WordScores = _choices("WordScores", ("given", "joint"))  # TreeConstraint's (a torch module)
 OutputFormat = _choices("OutputFormat", ("text", "json"))
 Tokenizer = _choices("Tokenizer", TOKENIZERS)
-TRANSLATION, PARSING = formats.TRANSLATION, formats.PARSING
 
 
 # Options that decode, parse and score share, declared once.
@@ -313,8 +313,8 @@ def decode(
                                   help=f"... and b (paper: {TRANSLATION.max_len_b})."),
     nbest: int = typer.Option(1, "--nbest", min=1, help="Print the K best as "
                               "`index<TAB>score<TAB>hypothesis` lines (index from 0)."),
-    batch_tokens: BatchTokensOption = formats.BATCH_TOKENS,
-    buffer_size: BufferSizeOption = formats.BUFFER_SIZE,
+    batch_tokens: BatchTokensOption = BATCH_TOKENS,
+    buffer_size: BufferSizeOption = BUFFER_SIZE,
     device: DeviceOption = Device.auto,
     dtype: PrecisionOption = Precision.auto,
     threads: ThreadsOption = 0,
@@ -377,7 +377,7 @@ def score(
                                                "-m, one per line)."),
     device: DeviceOption = Device.auto,
     dtype: PrecisionOption = Precision.auto,
-    batch_tokens: BatchTokensOption = formats.BATCH_TOKENS,
+    batch_tokens: BatchTokensOption = BATCH_TOKENS,
     threads: ThreadsOption = 0,
     max_errors: int = typer.Option(10, "--max-errors", min=0, help="With --trees: error "
                                    "sentences (words that differ from the gold tree's) "
@@ -506,8 +506,8 @@ def parse(
     max_len_a: MaxLenAOption = PARSING.max_len_a,
     max_len_b: int = typer.Option(PARSING.max_len_b, "--max-len-b", min=0,
                                   help=f"... and b (paper: {PARSING.max_len_b})."),
-    batch_tokens: BatchTokensOption = formats.BATCH_TOKENS,
-    buffer_size: BufferSizeOption = formats.BUFFER_SIZE,
+    batch_tokens: BatchTokensOption = BATCH_TOKENS,
+    buffer_size: BufferSizeOption = BUFFER_SIZE,
     device: DeviceOption = Device.auto,
     dtype: PrecisionOption = Precision.auto,
     threads: ThreadsOption = 0,

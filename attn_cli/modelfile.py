@@ -71,7 +71,7 @@ def save_model(path: str | os.PathLike, model: torch.nn.Module, src_vocab: Vocab
     separate_target = tgt_vocab is not None and tgt_vocab is not src_vocab
     if separate_target:
         payload[TGT_VOCAB] = torch.frombuffer(bytearray(tgt_vocab.model_bytes),
-                                                dtype=torch.uint8)
+                                              dtype=torch.uint8)
     metadata = {
         "format": MODEL_FORMAT, "format_version": MODEL_FORMAT_VERSION,
         "config": config.to_json(), "attn_version": __version__,
