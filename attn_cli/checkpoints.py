@@ -109,11 +109,13 @@ def adam_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
 
 def restore_adam(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  tensors: dict[str, torch.Tensor]) -> None:
+    fused = bool(optimizer.defaults.get("fused"))  # fused Adam keeps its step on the device
     for name, parameter in unwrap(model).named_parameters():
         if adam_tensor("exp_avg", name) not in tensors:
             continue
         optimizer.state[parameter] = {
-            "step": tensors[adam_tensor("step", name)].reshape(()).clone(),
+            "step": tensors[adam_tensor("step", name)].reshape(()).clone().to(
+                parameter.device if fused else "cpu"),
             **{moment: tensors[adam_tensor(moment, name)].to(parameter.device)
                for moment in ADAM_MOMENTS},
         }

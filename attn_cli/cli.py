@@ -219,8 +219,9 @@ def train(
     seed: int = typer.Option(1, "--seed", help="Seed for initialisation, batches and dropout."),
     device: DeviceOption = Device.auto,
     dtype: Precision = typer.Option(Precision.auto, "--dtype", help="auto (bf16 on CUDA, fp32 "
-                                    "on a CPU), fp32, bf16 (autocast; faster on CPUs with "
-                                    "native bf16) or fp16 (CUDA, with loss scaling)."),
+                                    "on a CPU), fp32, bf16 (autocast; for CUDA: on a CPU no "
+                                    "faster than fp32, and much slower without native bf16, "
+                                    "with a warning) or fp16 (CUDA, with loss scaling)."),
     lr_scale: Optional[float] = typer.Option(None, "--lr-scale", min=0.0,
                                              help="Multiplies the paper's learning rate."),
     warmup: Optional[int] = typer.Option(None, "--warmup", min=1, help="Warmup steps "

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +46,29 @@ def inference_dtype(dtype: str, device: torch.device) -> str:
             not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         raise AttnError("--dtype bf16: this CPU has no native bf16 matmuls; use fp32")
     return resolve_dtype(dtype, device)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and oneDNN may use it
+    (ONEDNN_MAX_CPU_ISA can hold it to AVX2 or AVX-512 core). Without it oneDNN emulates bf16:
+    measured ~18x slower than float32 for training on an AVX2-only CPU."""
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    if limit != "ALL" and not any(isa in limit for isa in ("BF16", "AMX", "FP16", "AVX10")):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:  # not Linux: what oneDNN says it supports
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def warn_if_bf16_is_emulated(dtype: str, device: torch.device, command: str) -> None:
+    """One line on stderr when bf16 is asked for on a CPU that would emulate it."""
+    if dtype == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
+        print(f"{command}: warning: --dtype bf16 on a CPU without native bf16 (AVX512-BF16 or "
+              "AMX): emulated, about 18x slower than fp32 here (81 against ~1500 target "
+              "tokens/s measured on an AVX2 CPU); fp32 is the fast choice", file=sys.stderr,
+              flush=True)
 
 
 def autocast(device: torch.device, dtype: str):

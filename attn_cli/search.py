@@ -70,6 +70,10 @@ def topk_over_beams(scores: Tensor, log_probs: Tensor, k: int) -> tuple[Tensor, 
     top_log_probs, top_tokens = topk_blocked(log_probs, per_beam)  # (B, K, per_beam)
     candidates = (scores.unsqueeze(-1) + top_log_probs).view(batch, -1)
     best, flat = candidates.topk(min(k, beams * per_beam), dim=-1)
+    if best.shape[1] < k:  # fewer extensions than k (one beam, a tiny vocabulary): -inf ones
+        missing = k - best.shape[1]
+        best = torch.cat([best, best.new_full((batch, missing), -math.inf)], dim=1)
+        flat = torch.cat([flat, flat[:, :1].expand(batch, missing)], dim=1)
     return best, torch.div(flat, per_beam, rounding_mode="floor"), \
         top_tokens.view(batch, -1).gather(1, flat)
 
@@ -143,14 +147,16 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
     limits = output_limits(src_tokens, config.pad_id, max_len_a, max_len_b, longest)  # (B,)
     finished = Finished(batch, nbest, device)
     memory, src_mask = model.encode(src_tokens)
-    cache = model.start_decoding(memory, src_mask).reorder(
-        torch.arange(batch, device=device).repeat_interleave(beam))
-    live = Beams.start(batch, beam, config.bos_id, device)
-    state = constraint.start(batch, beam, device) if constraint is not None else None
+    # One hypothesis per sentence to begin with (BOS): the first step ranks its 2K extensions,
+    # and K rows per sentence only from the second step on (K copies of BOS would cost a
+    # full step's work for nothing).
+    cache = model.start_decoding(memory, src_mask)
+    live = Beams.start(batch, config.bos_id, device)
+    state = constraint.start(batch, 1, device) if constraint is not None else None
 
     for step in range(int(limits.max())):
         logits, cache = model.decode_step(live.tokens.view(-1), cache)
-        log_probs = torch.log_softmax(logits.float(), dim=-1).view(len(live.active), beam, -1)
+        log_probs = torch.log_softmax(logits.float(), dim=-1).view(*live.scores.shape, -1)
         log_probs[..., banned] = -math.inf  # never chosen, but not renormalised away
         limit = limits[live.active]  # (B',)
         if constraint is not None:
@@ -224,11 +230,11 @@ class Beams:
     active: Tensor  # (B',) the sentence of each row
 
     @classmethod
-    def start(cls, batch: int, beam: int, bos: int, device) -> "Beams":
-        scores = torch.full((batch, beam), -math.inf, device=device)
-        scores[:, 0] = 0.0  # one live hypothesis at first: the K beams must not start as copies
-        return cls(scores, torch.full((batch, beam), bos, dtype=torch.long, device=device),
-                   torch.empty((batch, beam, 0), dtype=torch.long, device=device),
+    def start(cls, batch: int, bos: int, device) -> "Beams":
+        """One hypothesis per sentence, BOS: the first step grows it to K."""
+        return cls(torch.zeros((batch, 1), device=device),
+                   torch.full((batch, 1), bos, dtype=torch.long, device=device),
+                   torch.empty((batch, 1, 0), dtype=torch.long, device=device),
                    torch.arange(batch, device=device))
 
     def advance(self, scores: Tensor, parents: Tensor, tokens: Tensor, kept: Tensor | None,
@@ -242,8 +248,8 @@ class Beams:
                 active[kept]
         history = torch.cat([self.history[rows.unsqueeze(-1), parents], tokens.unsqueeze(-1)],
                             dim=-1)
-        beam = scores.shape[1]
-        cache = cache.reorder((rows.unsqueeze(-1) * beam + parents).view(-1), kept)
+        rows_per_sentence = self.scores.shape[1]  # in the cache: 1 after BOS, then K
+        cache = cache.reorder((rows.unsqueeze(-1) * rows_per_sentence + parents).view(-1), kept)
         return Beams(scores, tokens, history, active), cache
 
 

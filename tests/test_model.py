@@ -47,7 +47,7 @@ def test_attention_is_softmax_of_scaled_dot_products():
     torch.testing.assert_close(attention.attend(*attention.project_self(x), mask=mask), got)
     cross = MultiHeadAttention(config, cross=True).eval()
     memory = torch.randn(3, 5, 16)
-    torch.testing.assert_close(cross.attend_memory(x, cross.project_memory(memory), mask),
+    torch.testing.assert_close(cross.attend_memory(x, cross.memory_for_steps(memory), mask),
                                cross(x, memory, mask=mask), atol=1e-6, rtol=1e-5)
 
 

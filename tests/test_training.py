@@ -16,11 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from attn_cli import model as model_module
 from attn_cli import training
 from attn_cli.checkpoints import list_checkpoints
 from attn_cli.config import PRESETS
 from attn_cli.data import ParallelData
 from attn_cli.files import AttnError
+from attn_cli.loss import label_smoothed_loss, projected_label_smoothed_loss
 from attn_cli.model import Transformer
 from attn_cli.modelfile import load_model
 
@@ -57,9 +59,57 @@ def test_label_smoothing_by_hand():
         q = [epsilon / 4 + (1 - epsilon) * (k == gold) for k in range(4)]
         expected_loss -= sum(qk * lp for qk, lp in zip(q, log_p))
         expected_nll -= log_p[gold]
-    loss, nll = training.label_smoothed_loss(logits, target, epsilon, pad_id=0)
+    loss, nll = label_smoothed_loss(logits, target, epsilon, pad_id=0)
     assert loss.item() == pytest.approx(expected_loss, rel=1e-6)
     assert nll.item() == pytest.approx(expected_nll, rel=1e-6)
+
+
+@pytest.mark.parametrize("block_rows", [1, 7, 64, 1000])
+@pytest.mark.parametrize("epsilon", [0.0, 0.1])
+def test_projected_loss_equals_the_loss_of_the_logits(block_rows, epsilon):
+    """The fused projection + loss (forward, and the gradients it works out itself) against
+    autograd through `label_smoothed_loss` of the full logits, in float64."""
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(50, 16, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(30, 16, dtype=torch.float64, generator=generator, requires_grad=True)
+    target = torch.randint(1, 30, (50,), generator=generator)
+    loss, nll = label_smoothed_loss(hidden @ weight.T, target, epsilon, pad_id=0)
+    (loss * 0.37).backward()
+    expected = loss.item(), nll.item(), hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    loss, nll = projected_label_smoothed_loss(hidden, weight, target, epsilon, block_rows)
+    (loss * 0.37).backward()
+    assert (loss.item(), nll.item()) == pytest.approx(expected[:2], rel=1e-12)
+    assert not nll.requires_grad
+    torch.testing.assert_close(hidden.grad, expected[2], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(weight.grad, expected[3], rtol=1e-10, atol=1e-12)
+
+
+def test_projected_loss_under_bf16_autocast_matches_the_autocast_logits():
+    """Mixed precision: projections in bf16, softmax in float32, as the unfused path did."""
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(40, 32, generator=generator)
+    weight = torch.randn(50, 32, generator=generator) * 0.3
+    target = torch.randint(1, 50, (40,), generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = hidden @ weight.T
+        fused, _ = projected_label_smoothed_loss(hidden, weight, target, 0.1, block_rows=16)
+    reference, _ = label_smoothed_loss(logits, target, 0.1, pad_id=0)
+    assert fused.item() == pytest.approx(reference.item(), rel=2e-3)
+
+
+def test_cpu_dropout_keeps_one_minus_p_and_rescales_exactly():
+    torch.manual_seed(0)
+    x = torch.ones(200_000)
+    scale = model_module.cpu_dropout_scale(x, 0.1)
+    kept = scale != 0
+    assert kept.float().mean().item() == pytest.approx(0.9, abs=0.003)
+    assert torch.all(scale[kept] == scale[kept][0])
+    assert scale[kept][0].item() == pytest.approx(1 / 0.9, rel=1e-5)  # E[x · scale] = x
+    torch.manual_seed(0)
+    assert torch.equal(model_module.cpu_dropout_scale(x, 0.1), scale)  # the seed decides
+    assert not torch.equal(model_module.cpu_dropout_scale(x, 0.1), scale)
+    assert torch.all(model_module.cpu_dropout_scale(x, 1.0) == 0)
 
 
 @pytest.mark.parametrize("text,expected", [("10m", (600.0, "time")), ("90s", (90.0, "time")),
@@ -330,7 +380,7 @@ def test_valid_data_with_another_vocabulary_is_refused(data_files, corpus, tmp_p
 def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_checkpoint(
         data_files, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
-    real_loss = training.label_smoothed_loss
+    real_loss = model_module.projected_label_smoothed_loss
     calls = {"count": 0}
 
     def poisoned(*args, **kwargs):
@@ -338,12 +388,37 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_checkpoint(
         loss, nll = real_loss(*args, **kwargs)
         return (loss * float("nan"), nll) if calls["count"] > 4 else (loss, nll)
 
-    monkeypatch.setattr(training, "label_smoothed_loss", poisoned)
+    monkeypatch.setattr(model_module, "projected_label_smoothed_loss", poisoned)
     options = training.TrainOptions(data=data_files[0], output=run_dir, preset="tiny",
                                     max_steps=10, save_every="2", device="cpu", log_every=1)
     with pytest.raises(training.TrainingDiverged, match="nan at step 5.*checkpoint-4.st"):
         training.train(options)
     assert [step for step, _ in list_checkpoints(run_dir)] == [2, 4]
+
+
+@pytest.mark.parametrize("limit,native", [("AVX2", False), ("AVX512_CORE", False),
+                                           ("AVX512_CORE_AMX", None), ("ALL", None)])
+def test_native_bf16_follows_the_cpu_and_onednn_limit(monkeypatch, limit, native):
+    from attn_cli import devices
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", limit)
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    if native is None:  # not held back: what the CPU has
+        native = "avx512_bf16" in flags or "amx_bf16" in flags or not flags and \
+            torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert devices.cpu_has_native_bf16() is native
+
+
+def test_bf16_training_on_a_cpu_that_emulates_it_warns_once(data_files, tmp_path, monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # as an AVX2-only CPU
+    result = run_attn(*train_args(data_files[0], tmp_path / "r", "--max-steps", 1,
+                                  "--dtype", "bf16"))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("without native bf16") == 1
+    assert "fp32" in result.stderr
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    result = run_attn(*train_args(data_files[0], tmp_path / "f", "--max-steps", 1))
+    assert "native bf16" not in result.stderr  # fp32, the CPU default: no warning
 
 
 def test_dry_run_prints_the_batch_plan():
