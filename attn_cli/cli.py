@@ -20,7 +20,7 @@ import typer
 from . import __version__
 from .config import PRESETS
 from .files import AttnError
-from .formats import BATCH_TOKENS, BUFFER_SIZE, PARSING, TRANSLATION
+from .formats import BATCH_TOKENS, BUFFER_SIZE, PARSING, TRANSLATION, Stop
 from .scoring import TOKENIZERS
 from .trees import TERMINALS
 
@@ -314,6 +314,13 @@ def decode(
                                   help=f"... and b (paper: {TRANSLATION.max_len_b})."),
     nbest: int = typer.Option(1, "--nbest", min=1, help="Print the K best as "
                               "`index<TAB>score<TAB>hypothesis` lines (index from 0)."),
+    stop: Stop = typer.Option(Stop.bound, "--stop", help="When a sentence's search ends. "
+                              "bound (paper's tensor2tensor): once no live hypothesis can "
+                              "beat the best finished, the result of a search to the length "
+                              "limit. best-ends (CTranslate2, OpenNMT-py): once the step's "
+                              "best candidate ends; fewer steps, may miss a longer, "
+                              "better-scoring output. limit: every sentence to its length "
+                              "limit."),
     batch_tokens: BatchTokensOption = BATCH_TOKENS,
     buffer_size: BufferSizeOption = BUFFER_SIZE,
     device: DeviceOption = Device.auto,
@@ -332,7 +339,8 @@ def decode(
     translator = load_translator(model_path, beam, device=device.value, dtype=dtype.value,
                                  threads=threads, workers=workers, warn=log, alpha=alpha,
                                  max_len_a=max_len_a, max_len_b=max_len_b, nbest=nbest,
-                                 batch_tokens=batch_tokens, buffer_size=buffer_size, raw=raw)
+                                 stop=stop, batch_tokens=batch_tokens,
+                                 buffer_size=buffer_size, raw=raw)
     log(f"decode: model loaded in {time.perf_counter() - started:.2f}s")
     stats = _stream(translator, input_path, strict)
     log(f"decode: {stats.summary()}")

@@ -10,6 +10,7 @@ than guess.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 # ------------------------------------------------------- file formats (safetensors metadata)
 
@@ -87,6 +88,23 @@ class SearchDefaults:
 
 TRANSLATION = SearchDefaults(beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50)  # §6.1
 PARSING = SearchDefaults(beam=21, alpha=0.3, max_len_a=1.0, max_len_b=300)  # §6.3
+
+
+class Stop(str, Enum):
+    """When a sentence's beam search ends (`beam_search`'s `stop`).
+
+    bound: once no live hypothesis can beat the n-th best finished one (`can_stop`), as
+        tensor2tensor, the paper's code, does: the answer of a search run to the length limit.
+    best-ends: once the step's best candidate ends and n hypotheses are finished, as
+        CTranslate2 and OpenNMT-py do: fewer steps (21% fewer decoder rows at beam 4 on the
+        Multi30k demo), but a longer hypothesis that would have scored better can be missed.
+    limit: every sentence runs to its length limit (what `bound` must equal; slow).
+    Greedy search (beam 1) ends at the first EOS under each."""
+
+    bound = "bound"
+    best_ends = "best-ends"
+    limit = "limit"
+
 
 BATCH_TOKENS = 8000  # source tokens × beam held by one search batch (score -m: tokens per batch)
 BUFFER_SIZE = 2000  # lines read ahead and sorted by length

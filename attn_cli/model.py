@@ -110,7 +110,7 @@ class MultiHeadAttention(nn.Module):
         decoding step's Q K^T is a plain matmul, 2x faster than one reading K^T through strides
         when the K beams of a source query it together."""
         keys, values = self.project_memory(memory)
-        return keys.transpose(-1, -2).contiguous(), values
+        return keys.transpose(-1, -2).contiguous(), values.contiguous()
 
     def project_self(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q_width, v_width = self.heads * self.d_k, self.heads * self.d_v

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from .formats import TRANSLATION
+from .formats import TRANSLATION, Stop
 
 
 def length_penalty(length: int | Tensor, alpha: float):
@@ -128,20 +128,19 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
                 max_len_b: int = TRANSLATION.max_len_b, nbest: int = 1,
                 banned: tuple[int, ...] | None = None, longest: int | None = None,
                 constraint: Constraint | None = None,
-                stop_early: bool = True) -> list[list[Hypothesis]]:
+                stop: Stop | str = Stop.bound) -> list[list[Hypothesis]]:
     """src_tokens (B, S), padded with pad_id and ending in EOS → for each sentence, its `nbest`
     best hypotheses, best first. `longest` caps every output length (a model with learned
     positions has no position past its table). `constraint` says which tokens each hypothesis
-    may take next. `stop_early=False` runs every sentence to its length limit (for tests: the
-    answer must not change). `beam=1` is greedy decoding, as tensor2tensor does for a beam of
-    one: the most probable token at each step until EOS (the length penalty then only scales
-    the reported score).
+    may take next. `stop` says when a sentence's search ends (`Stop`). `beam=1` is greedy
+    decoding, as tensor2tensor does for a beam of one: the most probable token at each step
+    until EOS (the length penalty then only scales the reported score).
 
     Each step, the 2K best extensions of a sentence's K beams are ranked: an EOS among the first
     K finishes a hypothesis, and the first K that are not EOS live on (one EOS at most per beam,
     so there are always K of them). Everything but the few finished hypotheses stays in tensors;
     rows are grouped K per sentence, which the model uses to share each source's memory."""
-    config = model.config
+    config, stop = model.config, Stop(stop)
     banned = list((config.pad_id, config.bos_id) if banned is None else banned)
     batch, device, nbest = src_tokens.shape[0], src_tokens.device, min(nbest, beam)
     limits = output_limits(src_tokens, config.pad_id, max_len_a, max_len_b, longest)  # (B,)
@@ -172,7 +171,7 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
         chosen = first_not_ending(ends, beam)  # (B', K)
         scores = best.gather(1, chosen)
         done = sentences_done(scores, finished.kth_best[live.active], limit, alpha, beam,
-                              stop_early)
+                              stop, finished.best_ended[live.active])
         kept = (~done).nonzero().squeeze(1) if done.any() else None
         if kept is not None and len(kept) == 0:
             break
@@ -209,14 +208,17 @@ def first_not_ending(ends: Tensor, beam: int) -> Tensor:
 
 
 def sentences_done(scores: Tensor, kth_best: Tensor, limits: Tensor, alpha: float, beam: int,
-                   stop_early: bool) -> Tensor:
+                   stop: Stop, best_ended: Tensor) -> Tensor:
     """(B',) True for a sentence whose search is over: no live hypothesis left, its first
-    finished one for greedy search, or (early stopping) none that could still win."""
+    finished one for greedy search, or as `stop` says (`best_ended`: whether a step's best
+    candidate of the sentence has ended)."""
     done = scores[:, 0] == -math.inf
     if beam == 1:
         return done | (kth_best > -math.inf)
-    if stop_early:
+    if stop is Stop.bound:
         return done | can_stop(kth_best, scores[:, 0], limits, alpha)
+    if stop is Stop.best_ends:
+        return done | (best_ended & (kth_best > -math.inf))
     return done
 
 
@@ -261,6 +263,8 @@ class Finished:
         self.nbest = nbest
         self.hypotheses: list[list[Hypothesis]] = [[] for _ in range(batch)]
         self.kth_best = torch.full((batch,), -math.inf, device=device)
+        # Whether a step's best candidate has ended (`Stop.best_ends`).
+        self.best_ended = torch.zeros(batch, dtype=torch.bool, device=device)
 
     def collect(self, best: Tensor, origin: Tensor, ends: Tensor, live: Beams, beam: int,
                 penalty: float) -> None:
@@ -274,6 +278,8 @@ class Finished:
             self.hypotheses[sentence].append(Hypothesis(
                 live.history[row, origin[row, rank]].tolist(), log_prob / penalty, log_prob))
             changed.add(sentence)
+            if rank == 0:
+                self.best_ended[sentence] = True
         for sentence in changed:
             if len(self.hypotheses[sentence]) >= self.nbest:
                 self.kth_best[sentence] = sorted(

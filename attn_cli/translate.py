@@ -22,7 +22,7 @@ import torch
 
 from .devices import pack_for_cpu_inference
 from .files import STRICT, AttnError, Utf8Policy
-from .formats import BATCH_TOKENS, BUFFER_SIZE, MAX_SOURCE_TOKENS, TRANSLATION
+from .formats import BATCH_TOKENS, BUFFER_SIZE, MAX_SOURCE_TOKENS, TRANSLATION, Stop
 from .modelfile import LoadedModel
 from .search import Hypothesis, beam_search
 
@@ -34,6 +34,7 @@ class DecodeOptions:
     max_len_a: float = TRANSLATION.max_len_a
     max_len_b: int = TRANSLATION.max_len_b
     nbest: int = 1
+    stop: Stop = Stop.bound
     batch_tokens: int = BATCH_TOKENS  # source tokens × beam held by one search batch
     buffer_size: int = BUFFER_SIZE
     raw: bool = False
@@ -211,7 +212,7 @@ class Translator:
         return beam_search(self.model, src, beam=options.beam, alpha=options.alpha,
                            max_len_a=options.max_len_a, max_len_b=options.max_len_b,
                            nbest=options.nbest, longest=self.longest_output,
-                           constraint=constraint)
+                           constraint=constraint, stop=options.stop)
 
     def translate_window(self, lines: list[str], first_line: int) -> list[list[Hypothesis]]:
         """Hypotheses for every line, in input order; an empty line gets one empty hypothesis."""

@@ -18,6 +18,7 @@ from attn_cli.search import (
     Beams,
     Finished,
     Hypothesis,
+    Stop,
     beam_search,
     can_stop,
     first_not_ending,
@@ -109,12 +110,18 @@ def test_sentences_done_for_greedy_beam_and_exhaustion():
     kth_best = torch.tensor([-math.inf, -math.inf, -1.0])
     limits = torch.tensor([10, 10, 10])
     # No live hypothesis (row 1) is always done; row 2 cannot beat -1.0 any more.
-    assert sentences_done(scores, kth_best, limits, 0.6, 2, True).tolist() == [False, True, True]
-    assert sentences_done(scores, kth_best, limits, 0.6, 2, False).tolist() == [False, True,
-                                                                                 False]
-    # Greedy: done as soon as one hypothesis finished.
-    assert sentences_done(scores[:, :1], kth_best, limits, 0.6, 1, True).tolist() == [
-        False, True, True]
+    best_ended = torch.tensor([True, False, False])
+    done = [sentences_done(scores, kth_best, limits, 0.6, 2, stop, best_ended).tolist()
+            for stop in (Stop.bound, Stop.limit, Stop.best_ends)]
+    assert done == [[False, True, True], [False, True, False], [False, True, False]]
+    # best-ends: the best candidate ended once and a hypothesis is finished (row 0 has none).
+    kth_best[0] = -5.0
+    assert sentences_done(scores, kth_best, limits, 0.6, 2, Stop.best_ends, best_ended
+                          ).tolist() == [True, True, False]
+    # Greedy: done as soon as one hypothesis finished, whatever the rule.
+    for stop in Stop:
+        assert sentences_done(scores[:, :1], kth_best, limits, 0.6, 1, stop, best_ended
+                              ).tolist() == [True, True, True]
 
 
 def test_finished_collects_eos_among_the_first_k_and_tracks_the_nth_best():
@@ -294,10 +301,38 @@ def test_early_stopping_changes_nothing(beam, nbest):
     for alpha in (0.0, 0.6, 1.0):
         early = beam_search(model, batch, beam=beam, alpha=alpha, nbest=nbest, max_len_b=10)
         full = beam_search(model, batch, beam=beam, alpha=alpha, nbest=nbest, max_len_b=10,
-                           stop_early=False)
+                           stop="limit")
         for found, expected in zip(early, full):
             assert [h.tokens for h in found] == [h.tokens for h in expected]
             assert [h.score for h in found] == pytest.approx([h.score for h in expected])
+
+
+def test_stopping_when_the_best_candidate_ends_is_a_prefix_of_the_same_search():
+    """best-ends (CTranslate2's rule) follows the same beams and stops no later: it decodes no
+    more rows, finds nothing better than the search to the limit, and greedy is unchanged."""
+    model = random_model(vocab=12, seed=2)
+    generator = torch.Generator().manual_seed(4)
+    sentences = [torch.randint(4, 12, (n,), generator=generator).tolist() + [3]
+                 for n in (3, 9, 1, 6, 12, 4, 7, 2)]
+    width = max(map(len, sentences))
+    batch = torch.tensor([s + [0] * (width - len(s)) for s in sentences])
+    decode_step, rows = model.decode_step, {}
+
+    def counted(tokens, cache):  # and EOS made likelier, so that searches end at all
+        rows[rule] = rows.get(rule, 0) + len(tokens)
+        logits, cache = decode_step(tokens, cache)
+        logits[:, model.config.eos_id] += 2.0
+        return logits, cache
+
+    model.decode_step = counted
+    found = {}
+    for rule in Stop:
+        found[rule] = beam_search(model, batch, beam=4, max_len_b=10, stop=rule)
+    assert rows[Stop.best_ends] < rows[Stop.bound] < rows[Stop.limit]
+    for quick, full in zip(found[Stop.best_ends], found[Stop.limit]):
+        assert quick[0].score <= full[0].score + 1e-6
+    greedy = [beam_search(model, batch, beam=1, max_len_b=10, stop=rule) for rule in Stop]
+    assert greedy[0] == greedy[1] == greedy[2]
 
 
 def test_nbest_is_sorted_and_distinct():
@@ -347,6 +382,18 @@ def test_decode_batches_searched_side_by_side_change_nothing(trained, corpus):
     assert parallel.returncode == serial.returncode == alone.returncode == 0, parallel.stderr
     assert parallel.stdout.count("\n") == stdin.count("\n")
     assert parallel.stdout == serial.stdout == alone.stdout
+
+
+def test_decode_stop_rule_option(trained, corpus):
+    model, _ = trained
+    stdin = corpus["val.en"].read_text(encoding="utf-8")
+    common = ["decode", "-m", model, "--beam", "3", "--max-len-b", "6", "--dtype", "fp32"]
+    quick = run_attn(*common, "--stop", "best-ends", stdin=stdin)
+    assert quick.returncode == 0, quick.stderr
+    assert quick.stdout.count("\n") == stdin.count("\n")
+    alone = run_attn(*common, "--stop", "best-ends", "--buffer-size", "1", stdin=stdin)
+    assert alone.stdout == quick.stdout  # a per-sentence rule: batching changes nothing
+    assert_clean_error(run_attn(*common, "--stop", "soon", stdin=stdin), "--stop", "'soon'")
 
 
 def test_decode_nbest_format(trained):
@@ -516,3 +563,4 @@ def test_library_translates_a_list_of_strings_as_the_command_does(trained):
     assert translations == command.stdout.split("\n")[:-1] and translations[1] == ""
     with pytest.raises(AttributeError):
         attn_cli.no_such_name  # noqa: B018
+
