@@ -147,11 +147,13 @@ def load_checkpoint(run_dir: Path, step: int, device) -> tuple[LoadedModel, Resu
     return loaded, state
 
 
-def prune_checkpoints(run_dir: Path, keep: int) -> None:
-    """Keep the newest `keep` checkpoints (model and state files)."""
+def prune_checkpoints(run_dir: Path, keep: int, best: set[int] = frozenset()) -> None:
+    """Keep the newest `keep` checkpoints (model and state files), and the model files of the
+    steps `best` (`--keep-best`: a run resumes from its newest checkpoints only)."""
     complete = list_checkpoints(run_dir)
     for step, path in complete[:max(0, len(complete) - keep)]:
-        path.unlink(missing_ok=True)
+        if step not in best:
+            path.unlink(missing_ok=True)
         state_path(run_dir, step).unlink(missing_ok=True)
 
 
@@ -171,18 +173,39 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
 # ------------------------------------------------------------------------------------ averaging
 
 
-def select_for_average(inputs: list[str], last: int | None) -> list[tuple[str, Path]]:
-    """(label, path) of the checkpoints to average: the last N of a run directory by step, or the
-    files given."""
+def select_for_average(inputs: list[str], last: int | None, best: int | None = None,
+                       metric: str | None = None) -> list[tuple[str, Path]]:
+    """(label, path) of the checkpoints to average: the last N of a run directory by step, its
+    N best by a validation metric (`metric`, default: the one the run was validated by; the
+    label then gives the score), or the files given."""
+    if last and best:
+        raise AttnError("give --last or --best, not both")
     if len(inputs) == 1 and Path(inputs[0]).is_dir():
         found = list_checkpoints(inputs[0])
         if not found:
             raise AttnError(f"no checkpoint-STEP.st files in {inputs[0]}")
+        if best:
+            return _best_for_average(inputs[0], dict(found), best, metric)
         chosen = found[-last:] if last else found
         return [(f"step {step}", path) for step, path in chosen]
-    if last:
-        raise AttnError("--last takes one run directory; give either a directory or files")
+    if last or best:
+        raise AttnError("--last and --best take one run directory; give either a directory "
+                        "or files")
     return [(Path(path).name, Path(path)) for path in inputs]
+
+
+def _best_for_average(run_dir: str, found: dict[int, Path], count: int,
+                      metric: str | None) -> list[tuple[str, Path]]:
+    from .validation import best_steps, metric_key, scored_steps
+
+    metric, scores = scored_steps(run_dir, metric)
+    scored = {step: score for step, score in scores.items() if step in found}
+    if not scored:
+        raise AttnError(f"no checkpoint in {run_dir} has a {metric_key(metric)} score in its "
+                        f"{METRICS_FILE} (train with --valid, and --valid-metric {metric})")
+    chosen = best_steps(scored, metric, count)  # fewer when fewer are scored, as --last
+    return [(f"step {step}, {metric_key(metric)} {scored[step]:.4g}", found[step])
+            for step in sorted(chosen)]
 
 
 def average_models(paths: list[Path]) -> tuple[LoadedModel, dict[str, torch.Tensor]]:

@@ -20,7 +20,7 @@ import typer
 from . import __version__
 from .config import PRESETS
 from .files import AttnError
-from .formats import BATCH_TOKENS, BUFFER_SIZE, PARSING, TRANSLATION, Stop
+from .formats import BATCH_TOKENS, BUFFER_SIZE, PARSING, TRANSLATION, VALID_METRICS, Stop
 from .scoring import TOKENIZERS
 from .trees import TERMINALS
 
@@ -77,6 +77,7 @@ ModelTerminals = _choices("ModelTerminals", ("auto", *TERMINALS))
 WordScores = _choices("WordScores", ("given", "joint"))  # TreeConstraint's (a torch module)
 OutputFormat = _choices("OutputFormat", ("text", "json"))
 Tokenizer = _choices("Tokenizer", TOKENIZERS)
+ValidMetric = _choices("ValidMetric", VALID_METRICS)
 
 
 # Options that decode, parse and score share, declared once.
@@ -198,6 +199,16 @@ def train(
                                           help="The run directory (checkpoints, metrics)."),
     valid: Optional[Path] = typer.Option(None, "--valid", help="Validation data (binarized "
                                          "with the same vocabulary); scored at each save."),
+    valid_metric: ValidMetric = typer.Option(
+        ValidMetric.loss, "--valid-metric", help="What each save is scored by: loss (and "
+        "perplexity), or bleu / chrf (sacreBLEU) / f1 (EVALB, parsers) of the validation "
+        "sources decoded by the model; in metrics.jsonl as valid_<metric>."),
+    valid_beam: int = typer.Option(1, "--valid-beam", min=1, help="Beam of that decoding "
+                                   "(1: greedy)."),
+    valid_ref: Optional[Path] = typer.Option(
+        None, "--valid-ref", help="References for --valid-metric: raw text, one line per "
+        "validation pair (bleu, chrf), or gold trees (f1). Default: the validation data's "
+        "targets, detokenized."),
     preset: str = typer.Option("base", "--preset", autocompletion=_preset_names,
                                help="Architecture and recipe: " + ", ".join(PRESETS) + " "
                                "(base-A1 to base-E: Table 3's rows; `attn train --preset NAME "
@@ -216,6 +227,8 @@ def train(
                                              help="Checkpoint interval: a time (10m) or steps "
                                              "(5000). Default: the preset's."),
     keep: int = typer.Option(20, "--keep", min=1, help="Checkpoints kept (the newest)."),
+    keep_best: int = typer.Option(0, "--keep-best", min=0, help="Also keep the N best "
+                                  "checkpoints by --valid-metric (`attn average --best N`)."),
     seed: int = typer.Option(1, "--seed", help="Seed for initialisation, batches and dropout."),
     device: DeviceOption = Device.auto,
     dtype: Precision = typer.Option(Precision.auto, "--dtype", help="auto (bf16 on CUDA, fp32 "
@@ -255,7 +268,11 @@ def train(
         get_preset(preset)
     except KeyError as error:
         raise AttnError(error.args[0]) from None
+    if (valid_metric != ValidMetric.loss or valid_ref or keep_best) and valid is None:
+        raise AttnError("--valid-metric, --valid-ref and --keep-best need --valid data")
     options = dict(data=data, output=output, preset=preset, valid=valid,
+                   valid_metric=valid_metric.value, valid_beam=valid_beam, valid_ref=valid_ref,
+                   keep_best=keep_best,
                    batch_tokens=batch_tokens, max_tokens=max_tokens, max_steps=max_steps,
                    max_time=max_time, save_every=save_every, keep=keep, seed=seed,
                    device=device.value, dtype=dtype.value, lr_scale=lr_scale, warmup=warmup,
@@ -282,11 +299,17 @@ def average(
     last: Optional[int] = typer.Option(None, "--last", min=1, help="Average the last N "
                                        "checkpoints of the run directory (paper: 5 base, "
                                        "20 big)."),
+    best: Optional[int] = typer.Option(None, "--best", min=1, help="Average the N best "
+                                       "checkpoints of the run directory by validation score "
+                                       "(train with --valid-metric and --keep-best N)."),
+    metric: Optional[ValidMetric] = typer.Option(None, "--metric", help="The score --best "
+                                                 "ranks by (default: the run's "
+                                                 "--valid-metric)."),
 ) -> None:
     """Average the parameters of checkpoints (paper §6.1): element-wise mean in float32."""
     from .checkpoints import average_models, select_for_average, write_average
 
-    chosen = select_for_average(inputs, last)
+    chosen = select_for_average(inputs, last, best, metric.value if metric else None)
     for label, path in chosen:
         log(f"average: {path} ({label})")
     first, mean = average_models([path for _, path in chosen])

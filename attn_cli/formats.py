@@ -67,6 +67,8 @@ ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 # ------------------------------------------------------------------------------- run directory
 
 METRICS_FILE = "metrics.jsonl"
+# What `attn train --valid-metric` scores a run by (validation.py), and which way is better.
+VALID_METRICS = {"loss": "lower", "bleu": "higher", "chrf": "higher", "f1": "higher"}
 
 # ------------------------------------------------------------------ vocabulary: fixed special ids
 

@@ -52,7 +52,8 @@ class TrainingDisplay:
         parts = [f"step {row['step']}"]
         for key, fmt in (("loss", ".4f"), ("nll", ".4f"), ("lr", ".3e"), ("tokens_per_s", ",.0f"),
                          ("src_tokens_per_s", ",.0f"), ("valid_loss", ".4f"),
-                         ("valid_ppl", ".3f"), ("elapsed_s", ".0f")):
+                         ("valid_ppl", ".3f"), ("valid_bleu", ".2f"), ("valid_chrf", ".2f"),
+                         ("valid_f1", ".2f"), ("valid_s", ".1f"), ("elapsed_s", ".0f")):
             if key in row:
                 parts.append(f"{key} {row[key]:{fmt}}")
         line = "train: " + "  ".join(parts)

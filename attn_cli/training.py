@@ -40,6 +40,7 @@ from .files import AttnError
 from .formats import METRICS_FILE
 from .model import Transformer
 from .modelfile import unwrap
+from .validation import Validator, best_steps, metric_key, scored_steps
 
 # ---------------------------------------------------------------------------------- the recipe
 
@@ -183,12 +184,16 @@ class TrainOptions:
     output: Path
     preset: str = "base"
     valid: Path | None = None
+    valid_metric: str = "loss"  # validation.METRICS
+    valid_beam: int = 1
+    valid_ref: Path | None = None  # references (text or gold trees); None: valid's targets
     batch_tokens: int | None = None  # None: the preset's
     max_tokens: int | None = None
     max_steps: int | None = None
     max_time: str | None = None
     save_every: str | None = None
     keep: int = 20
+    keep_best: int = 0  # also kept: this many best checkpoints by valid_metric
     seed: int = 1
     device: str = "auto"
     dtype: str = "auto"
@@ -244,7 +249,8 @@ class Recipe:
 # Options a resumed run may change without a --reset flag (they do not alter what was learned).
 FREELY_CHANGED = {"max_steps", "max_time", "save_every", "keep", "device", "log_every", "resume",
                   "valid", "output", "reset_optimizer", "reset_schedule", "dist_timeout_minutes",
-                  "max_tokens", "dtype", "data"}
+                  "max_tokens", "dtype", "data", "valid_metric", "valid_beam", "valid_ref",
+                  "keep_best"}
 
 
 # ------------------------------------------------------------------------------------ the loop
@@ -428,6 +434,7 @@ class _Run:
     run_dir: Path
     data: ParallelData
     valid: ParallelData | None
+    validator: Validator | None  # decodes and scores the validation set (main process)
     dtype: str
     plan: BatchPlan
     config: ModelConfig
@@ -535,6 +542,11 @@ def _start(options: TrainOptions, processes: Processes,
     valid = ParallelData(options.valid) if options.valid else None
     if valid is not None:
         data.check_same_vocab(valid)
+    validator = None
+    if valid is not None and options.valid_metric != "loss" and processes.is_main:
+        validator = Validator.build(options.valid_metric, valid,
+                                    str(options.valid_ref) if options.valid_ref else None,
+                                    options.valid_beam)
     dtype = resolve_dtype(options.dtype, processes.device)
     if processes.is_main:
         warn_if_bf16_is_emulated(dtype, processes.device, "train")
@@ -559,8 +571,9 @@ def _start(options: TrainOptions, processes: Processes,
         _log(processes, plan.describe())
     stream = MicroBatchStream(data, plan.max_tokens, options.seed, position.epoch,
                               position.offset)
-    return _Run(options, recipe, processes, display, run_dir, data, valid, dtype, plan, config,
-                model, trained, optimizer, scaler, stream, position.schedule_offset), position
+    return _Run(options, recipe, processes, display, run_dir, data, valid, validator, dtype,
+                plan, config, model, trained, optimizer, scaler, stream,
+                position.schedule_offset), position
 
 
 def _step(run: _Run, step: int, votes: Callable[[], list[float]]):
@@ -601,8 +614,7 @@ def _record(run: _Run, step: int, row: dict, save: bool, clock: _Clock) -> Path 
     goes to disk first: a run killed between the two resumes from the previous checkpoint and
     rewrites this row, never loses it. Returns the checkpoint written (None: none)."""
     if save and run.valid is not None:
-        row.update(evaluate(run.trained, run.valid, run.plan.max_tokens,
-                            run.recipe.label_smoothing, run.processes, run.dtype))
+        row.update(validate(run))
     if len(row) > 2:  # more than the step and the time
         _write_metrics(run.run_dir, row, run.processes)
     checkpoint = None
@@ -612,6 +624,21 @@ def _record(run: _Run, step: int, row: dict, save: bool, clock: _Clock) -> Path 
     if len(row) > 2:
         run.display.row(row)
     return checkpoint
+
+
+def validate(run: _Run) -> dict:
+    """The validation fields of a metrics row: loss and perplexity (every process), the
+    metric's score (decoded on the main process), which metric, and the seconds it all took
+    (apart from training time: the next row's tokens/s counts training steps only)."""
+    started = time.monotonic()
+    fields = evaluate(run.trained, run.valid, run.plan.max_tokens, run.recipe.label_smoothing,
+                      run.processes, run.dtype)
+    if run.validator is not None:
+        with autocast(run.processes.device, run.dtype):
+            fields[metric_key(run.validator.metric)] = run.validator.score(run.model)
+    fields["valid_metric"] = run.options.valid_metric
+    fields["valid_s"] = time.monotonic() - started
+    return fields
 
 
 class TrainingDiverged(AttnError):
@@ -660,7 +687,13 @@ def _save(run_dir: Path, step: int, run: _Run, elapsed: float) -> Path | None:
     path = checkpoints.save_checkpoint(run_dir, step, run.model, run.optimizer, state,
                                        run.data.src_vocab, tgt_vocab,
                                        {"preset": run.options.preset})
-    checkpoints.prune_checkpoints(run_dir, run.options.keep)
+    best = set()
+    if run.options.keep_best and run.valid is not None:
+        metric, scores = scored_steps(run_dir, run.options.valid_metric)
+        saved = {step for step, _ in checkpoints.list_checkpoints(run_dir)}
+        best = set(best_steps({step: score for step, score in scores.items() if step in saved},
+                              metric, run.options.keep_best))
+    checkpoints.prune_checkpoints(run_dir, run.options.keep, best)
     return path
 
 
