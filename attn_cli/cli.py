@@ -608,6 +608,32 @@ def parse_linearize(
         + (f" ({skipped} empty after clean-up, skipped)" if skipped else ""))
 
 
+export_app = typer.Typer(no_args_is_help=True, help="Models in other engines' formats.",
+                         context_settings={"help_option_names": ["-h", "--help"]})
+app.add_typer(export_app, name="export")
+Quantization = _choices("Quantization", ("float32", "float16", "bfloat16", "int8",
+                                         "int8_float32", "int8_float16", "int8_bfloat16",
+                                         "int16"))
+
+
+@export_app.command("ct2")
+def export_ct2(
+    model_path: Path = typer.Argument(..., metavar="MODEL.st", help="An attn model file."),
+    output: Path = typer.Option(..., "-o", "--output", help="The CTranslate2 model directory "
+                                "to write (with source.spm and target.spm beside)."),
+    quantization: Quantization = typer.Option(Quantization.float32, "--quantization",
+                                              help="Weight type of the exported model."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
+) -> None:
+    """A CTranslate2 model of an attn model (pip install 'attn[ct2]'): greedy decoding there
+    gives `attn decode --beam 1`'s output."""
+    from .export import export_ct2 as export
+
+    export(model_path, output, quantization.value, force=force)
+    log(f"export: wrote {output} (CTranslate2, {quantization.value}; source EOS added by "
+        "CTranslate2; tokenize with its source.spm)")
+
+
 # ----------------------------------------------------------------------------------------- main
 
 

@@ -1,7 +1,7 @@
 """CTranslate2 as a decoding-speed reference: the same attn model, converted weight for weight.
 
-`convert` writes a CTranslate2 model directory from an attn model file (post- or pre-norm,
-sinusoidal or learned positions, shared or separate embeddings); `translate` decodes lines with
+`convert` writes a CTranslate2 model directory from an attn model file (`attn export ct2`,
+attn_cli/export.py); `translate` decodes lines with
 it as `attn decode` would (same SentencePiece model, same source EOS, same token-budget batches,
 pad and BOS banned, output limit |x| + 50) and returns the outputs, the seconds and the output
 tokens (EOS included). Run on its own, it times both thread layouts on the Multi30k test set:
@@ -26,107 +26,28 @@ import tempfile
 import time
 from pathlib import Path
 
-from ctranslate2.converters.converter import Converter
-from ctranslate2.specs import transformer_spec
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from attn_cli.export import export_ct2  # noqa: E402
 from attn_cli.formats import (  # noqa: E402
     BATCH_TOKENS,
     BOS_ID,
     EOS_ID,
     MAX_SOURCE_TOKENS,
     PAD_ID,
-    SHARED_EMBEDDING,
-    SOURCE_EMBEDDING,
     SPECIAL_PIECES,
     TRANSLATION,
 )
-from attn_cli.modelfile import load_model  # noqa: E402
 from attn_cli.translate import token_budget_batches  # noqa: E402
 from attn_cli.vocab import Vocabulary  # noqa: E402
 
 TEST_SET = Path(__file__).resolve().parent.parent / "examples/multi30k/data/test_2016_flickr.en.gz"
 
 
-class AttnConverter(Converter):
-    """Fills a `TransformerSpec` from an attn model; `Converter.convert` validates and saves."""
-
-    def __init__(self, model_path: str):
-        self.model_path = model_path
-
-    def _load(self):
-        loaded = self.loaded = load_model(self.model_path)
-        config, model = loaded.config, loaded.model
-        if config.d_k != config.d_v or config.heads * config.d_k != config.d_model:
-            # TransformerSpec.from_config derives head_dim = d_model / heads.
-            raise NotImplementedError("CTranslate2 needs d_k = d_v = d_model / heads")
-        w = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
-        pre = config.norm == "pre"
-        spec = transformer_spec.TransformerSpec.from_config(
-            (config.encoder_layers, config.decoder_layers), config.heads, pre_norm=pre)
-        spec.config.layer_norm_epsilon = config.layer_norm_eps
-        spec.config.add_source_eos = False  # translate() appends EOS itself, as attn does
-        # Our interleaved sin/cos table (CTranslate2's default concatenates them), or the
-        # learned one; long enough for the longest source and output attn allows.
-        length = config.max_positions if config.positions == "learned" else \
-            MAX_SOURCE_TOKENS + 1 + TRANSLATION.max_len_b
-        positions = model.positions(0, length).detach().numpy()
-
-        def linear(layer_spec, name, bias=False):
-            layer_spec.weight = w[f"{name}.weight"]  # torch's (out, in) layout, as CT2's
-            if bias:
-                layer_spec.bias = w[f"{name}.bias"]  # attention projections have none
-
-        def norm(layer_spec, name):
-            layer_spec.gamma, layer_spec.beta = w[f"{name}.weight"], w[f"{name}.bias"]
-
-        def ffn(ffn_spec, prefix, index):
-            norm(ffn_spec.layer_norm, f"{prefix}.sub.norms.{index}")
-            linear(ffn_spec.linear_0, f"{prefix}.ffn.inner", bias=True)
-            linear(ffn_spec.linear_1, f"{prefix}.ffn.outer", bias=True)
-
-        def self_attention(attention, prefix):  # linear[0]: fused q, k, v; linear[1]: out
-            norm(attention.layer_norm, f"{prefix}.sub.norms.0")
-            linear(attention.linear[0], f"{prefix}.self_attn.qkv_proj")
-            linear(attention.linear[1], f"{prefix}.self_attn.out_proj")
-
-        # With pre_norm the spec's sub-layer norms come before each sub-layer and a final norm
-        # ends each stack; without, they follow each residual add: both are ours.
-        spec.encoder.embeddings[0].weight = w[SOURCE_EMBEDDING]
-        spec.encoder.position_encodings.encodings = positions
-        for i, layer in enumerate(spec.encoder.layer):
-            self_attention(layer.self_attention, f"encoder_layers.{i}")
-            ffn(layer.ffn, f"encoder_layers.{i}", 1)
-        spec.decoder.embeddings.weight = w[SHARED_EMBEDDING]
-        spec.decoder.position_encodings.encodings = positions
-        spec.decoder.projection.weight = w[SHARED_EMBEDDING]  # tied, no bias
-        for i, layer in enumerate(spec.decoder.layer):
-            prefix = f"decoder_layers.{i}"
-            self_attention(layer.self_attention, prefix)
-            cross = layer.attention  # linear[0]: q; linear[1]: fused k, v; linear[2]: out
-            norm(cross.layer_norm, f"{prefix}.sub.norms.1")
-            linear(cross.linear[0], f"{prefix}.cross_attn.q_proj")
-            linear(cross.linear[1], f"{prefix}.cross_attn.kv_proj")
-            linear(cross.linear[2], f"{prefix}.cross_attn.out_proj")
-            ffn(layer.ffn, prefix, 2)
-        if pre:
-            norm(spec.encoder.layer_norm, "encoder_norm")
-            norm(spec.decoder.layer_norm, "decoder_norm")
-        # Pieces in id order: attn's <pad> <unk> <s> </s> (ids 0-3) are CT2's default specials.
-        for vocab, register in ((loaded.src_vocab, spec.register_source_vocabulary),
-                                (loaded.tgt_vocab, spec.register_target_vocabulary)):
-            register([vocab.processor.id_to_piece(i) for i in range(len(vocab))])
-        return spec
-
-
 def convert(model_path: str, output_dir: str) -> str:
     """Write the CTranslate2 model (float32 weights) of `model_path` to `output_dir`, with the
-    SentencePiece models beside it (source.spm, target.spm) for `translate`."""
-    converter = AttnConverter(model_path)
-    converter.convert(output_dir, quantization="float32", force=True)
-    for name, vocab in (("source", converter.loaded.src_vocab),
-                        ("target", converter.loaded.tgt_vocab)):
-        Path(output_dir, f"{name}.spm").write_bytes(vocab.model_bytes)
+    SentencePiece models beside it (source.spm, target.spm) for `translate`: `attn export ct2`,
+    except that `translate` appends the source EOS itself (the EOS piece, as attn does)."""
+    export_ct2(model_path, output_dir, "float32", add_source_eos=False, force=True)
     return output_dir
 
 
