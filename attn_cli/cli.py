@@ -344,6 +344,19 @@ def decode(
                               "best candidate ends; fewer steps, may miss a longer, "
                               "better-scoring output. limit: every sentence to its length "
                               "limit."),
+    sample: bool = typer.Option(False, "--sample", help="Sample each token from the model's "
+                                "distribution instead of searching (back-translation); "
+                                "--beam, --alpha and --stop then do not apply."),
+    topk: int = typer.Option(0, "--topk", min=0, help="--sample from the K most probable "
+                             "tokens only (0: all)."),
+    topp: float = typer.Option(1.0, "--topp", max=1.0,
+                               help="--sample from the smallest set of tokens holding this "
+                               "much probability (nucleus sampling; 1: all)."),
+    temperature: float = typer.Option(1.0, "--temperature",
+                                      help="--sample from p^(1/T), renormalised: below 1 "
+                                      "sharper, above 1 flatter."),
+    seed: int = typer.Option(1, "--seed", help="--sample's seed: with the same seed each "
+                             "input line gets the same output, however lines are batched."),
     batch_tokens: BatchTokensOption = BATCH_TOKENS,
     buffer_size: BufferSizeOption = BUFFER_SIZE,
     device: DeviceOption = Device.auto,
@@ -355,15 +368,24 @@ def decode(
     input_path: InputOption = "-",
     strict: StrictOption = False,
 ) -> None:
-    """Translate stdin to stdout with beam search (paper §6.1): one line out per line in."""
+    """Translate stdin to stdout with beam search (paper §6.1), or by sampling: one line out
+    per line in."""
     from .translate import load_translator
 
+    if sample and nbest > 1:
+        raise AttnError("--nbest needs beam search, not --sample (sample again with another "
+                        "--seed for more outputs)")
+    if topp <= 0.0 or temperature <= 0.0:
+        raise AttnError("--topp and --temperature must be above 0")
+    if (topk or topp < 1.0 or temperature != 1.0) and not sample:
+        raise AttnError("--topk, --topp and --temperature apply to --sample only")
     started = time.perf_counter()
     translator = load_translator(model_path, beam, device=device.value, dtype=dtype.value,
                                  threads=threads, workers=workers, warn=log, alpha=alpha,
                                  max_len_a=max_len_a, max_len_b=max_len_b, nbest=nbest,
-                                 stop=stop, batch_tokens=batch_tokens,
-                                 buffer_size=buffer_size, raw=raw)
+                                 stop=stop, sample=sample, topk=topk, topp=topp,
+                                 temperature=temperature, seed=seed,
+                                 batch_tokens=batch_tokens, buffer_size=buffer_size, raw=raw)
     log(f"decode: model loaded in {time.perf_counter() - started:.2f}s")
     stats = _stream(translator, input_path, strict)
     log(f"decode: {stats.summary()}")

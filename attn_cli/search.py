@@ -289,3 +289,81 @@ class Finished:
         """Each sentence's `nbest` best, best first (one empty hypothesis if none finished)."""
         return [sorted(hypotheses, key=lambda h: -h.score)[:self.nbest]
                 or [Hypothesis([], -math.inf, -math.inf)] for hypotheses in self.hypotheses]
+
+
+# ----------------------------------------------------------------------------------- sampling
+
+
+def sentence_uniforms(seed: int, sentence_ids: list[int], steps: int) -> Tensor:
+    """(B, steps) uniform numbers in [0, 1), row i drawn from a generator seeded by (seed,
+    sentence_ids[i]) alone: a sentence's samples depend on the seed and on which sentence it
+    is (its input line), not on the batch it is decoded in."""
+    rows = []
+    for sentence in sentence_ids:
+        generator = torch.Generator().manual_seed(
+            (seed * 0x9E3779B97F4A7C15 + sentence) % (2 ** 63))
+        rows.append(torch.rand(steps, generator=generator, dtype=torch.float64))
+    return torch.stack(rows) if rows else torch.empty(0, steps, dtype=torch.float64)
+
+
+def draw(log_probs: Tensor, uniforms: Tensor, temperature: float = 1.0, topk: int = 0,
+         topp: float = 1.0) -> Tensor:
+    """One token per row of log_probs (N, V), sampled by inversion with `uniforms` (N,) from
+    the distribution ∝ p^(1/temperature), restricted to the `topk` most probable tokens (0: all)
+    and then to the smallest set of them holding `topp` of the mass (nucleus sampling, Holtzman
+    et al. 2020). Tokens at -inf are never drawn."""
+    scaled = log_probs / temperature
+    if 0 < topk < scaled.shape[-1]:
+        values, tokens = scaled.topk(topk, dim=-1)
+    else:
+        values, tokens = scaled.sort(dim=-1, descending=True)
+    probs = torch.softmax(values.double(), dim=-1)
+    if topp < 1.0:  # keep a token while the mass before it is under p (the first: always)
+        probs = probs * ((probs.cumsum(dim=-1) - probs) < topp)
+    cdf = probs.cumsum(dim=-1)
+    threshold = uniforms.to(cdf.dtype).unsqueeze(-1) * cdf[:, -1:]
+    pick = (cdf <= threshold).sum(dim=-1).clamp(max=cdf.shape[-1] - 1)
+    return tokens.gather(1, pick.unsqueeze(1)).squeeze(1)
+
+
+@torch.inference_mode()
+def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature: float = 1.0,
+           topk: int = 0, topp: float = 1.0, max_len_a: float = TRANSLATION.max_len_a,
+           max_len_b: int = TRANSLATION.max_len_b, banned: tuple[int, ...] | None = None,
+           longest: int | None = None) -> list[list[Hypothesis]]:
+    """Ancestral sampling (for back-translation): each sentence's next token drawn by `draw`
+    from the model's distribution until EOS or its length limit (where EOS is forced), with
+    `uniforms` (B, ≥ longest limit) the random numbers of each sentence (`sentence_uniforms`).
+    Returns one hypothesis per sentence, its score the sum of the model's log-probabilities."""
+    config = model.config
+    banned = list((config.pad_id, config.bos_id) if banned is None else banned)
+    batch, device = src_tokens.shape[0], src_tokens.device
+    limits = output_limits(src_tokens, config.pad_id, max_len_a, max_len_b, longest)
+    memory, src_mask = model.encode(src_tokens)
+    cache = model.start_decoding(memory, src_mask)
+    active = torch.arange(batch, device=device)
+    tokens = torch.full((batch,), config.bos_id, dtype=torch.long, device=device)
+    history = torch.empty((batch, 0), dtype=torch.long, device=device)
+    scores = torch.zeros(batch, dtype=torch.float64, device=device)
+    found: list[list[Hypothesis]] = [[] for _ in range(batch)]
+    for step in range(int(limits.max())):
+        logits, cache = model.decode_step(tokens, cache)
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        log_probs[:, banned] = -math.inf
+        only_eos_at_limit(log_probs.unsqueeze(1), limits[active] <= step + 1, config.eos_id)
+        tokens = draw(log_probs, uniforms[active.cpu(), step].to(device), temperature, topk,
+                      topp)
+        scores += log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).double()
+        ends = tokens == config.eos_id
+        if ends.any():
+            for row in ends.nonzero().squeeze(1).tolist():
+                score = float(scores[row])
+                found[int(active[row])] = [Hypothesis(history[row].tolist(), score, score)]
+            kept = (~ends).nonzero().squeeze(1)
+            if len(kept) == 0:
+                break
+            active, tokens, history, scores = active[kept], tokens[kept], history[kept], \
+                scores[kept]
+            cache = cache.reorder(kept, kept)
+        history = torch.cat([history, tokens.unsqueeze(1)], dim=1)
+    return found

@@ -24,7 +24,7 @@ from .devices import pack_for_cpu_inference
 from .files import STRICT, AttnError, Utf8Policy
 from .formats import BATCH_TOKENS, BUFFER_SIZE, MAX_SOURCE_TOKENS, TRANSLATION, Stop
 from .modelfile import LoadedModel
-from .search import Hypothesis, beam_search
+from .search import Hypothesis, beam_search, output_limits, sample, sentence_uniforms
 
 
 @dataclass
@@ -35,6 +35,12 @@ class DecodeOptions:
     max_len_b: int = TRANSLATION.max_len_b
     nbest: int = 1
     stop: Stop = Stop.bound
+    # Sampling instead of search (`search.sample`): for back-translation.
+    sample: bool = False
+    topk: int = 0  # 0: every token
+    topp: float = 1.0
+    temperature: float = 1.0
+    seed: int = 1
     batch_tokens: int = BATCH_TOKENS  # source tokens × beam held by one search batch
     buffer_size: int = BUFFER_SIZE
     raw: bool = False
@@ -206,9 +212,20 @@ class Translator:
             sequence.append(eos)
         return ids
 
-    def search(self, ids: list[list[int]], constraint=None) -> list[list[Hypothesis]]:
+    def search(self, ids: list[list[int]], constraint=None,
+               line_numbers: list[int] | None = None) -> list[list[Hypothesis]]:
+        """Hypotheses of each sentence `ids`; sampling draws a sentence's random numbers from
+        the seed and its `line_numbers` entry (default: its place in `ids`)."""
         src = pad_sequences(ids, self.loaded.config.pad_id).to(self.device)
         options = self.options
+        if options.sample:
+            limits = output_limits(src, self.loaded.config.pad_id, options.max_len_a,
+                                   options.max_len_b, self.longest_output)
+            uniforms = sentence_uniforms(options.seed, line_numbers or list(range(len(ids))),
+                                         int(limits.max()))
+            return sample(self.model, src, uniforms, options.temperature, options.topk,
+                          options.topp, options.max_len_a, options.max_len_b,
+                          longest=self.longest_output)
         return beam_search(self.model, src, beam=options.beam, alpha=options.alpha,
                            max_len_a=options.max_len_a, max_len_b=options.max_len_b,
                            nbest=options.nbest, longest=self.longest_output,
@@ -223,13 +240,15 @@ class Translator:
         if todo:
             ids = self.encode([lines[i] for i in todo], first_line)
             lengths = [len(sequence) for sequence in ids]
-            budget = max(1, self.options.batch_tokens // self.options.beam)
+            rows_per_sentence = 1 if self.options.sample else self.options.beam
+            budget = max(1, self.options.batch_tokens // rows_per_sentence)
             batches = token_budget_batches(lengths, budget)
 
             def search_batch(batch: list[int]) -> list[list[Hypothesis]]:
                 constraint = self.constraint_for([lines[todo[i]] for i in batch]) \
                     if self.constraint_for else None
-                return self.search([ids[i] for i in batch], constraint)
+                return self.search([ids[i] for i in batch], constraint,
+                                   [first_line + todo[i] for i in batch])
 
             parallel = self.options.workers > 1 and len(batches) > 1
             found = (self._workers().map if parallel else map)(search_batch, batches)

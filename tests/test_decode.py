@@ -21,11 +21,14 @@ from attn_cli.search import (
     Stop,
     beam_search,
     can_stop,
+    draw,
     first_not_ending,
     length_penalty,
     max_output_length,
     only_eos_at_limit,
     output_limits,
+    sample,
+    sentence_uniforms,
     sentences_done,
     topk_blocked,
     topk_over_beams,
@@ -335,6 +338,54 @@ def test_stopping_when_the_best_candidate_ends_is_a_prefix_of_the_same_search():
     assert greedy[0] == greedy[1] == greedy[2]
 
 
+@pytest.mark.parametrize("temperature,topk,topp", [(1.0, 0, 1.0), (0.5, 0, 1.0),
+                                                   (2.0, 3, 1.0), (1.0, 0, 0.7),
+                                                   (1.5, 4, 0.9)])
+def test_draw_samples_the_tempered_truncated_distribution(temperature, topk, topp):
+    """Over evenly spread uniforms, each token is drawn as often as the distribution says:
+    p^(1/T) renormalised, cut to the top k, then to the nucleus holding p of the mass."""
+    p = torch.tensor([0.35, 0.25, 0.15, 0.1, 0.08, 0.05, 0.02, 0.0])
+    log_probs = p.log().unsqueeze(0)  # the last token at -inf (banned): never drawn
+    expected = p ** (1 / temperature)
+    expected /= expected.sum()
+    order = expected.argsort(descending=True)
+    if topk:
+        expected[order[topk:]] = 0
+        expected /= expected.sum()
+    if topp < 1:
+        before = expected[order].cumsum(0) - expected[order]
+        expected[order[before >= topp]] = 0
+        expected /= expected.sum()
+    draws = 20000
+    uniforms = (torch.arange(draws, dtype=torch.float64) + 0.5) / draws
+    tokens = draw(log_probs.expand(draws, -1), uniforms, temperature, topk, topp)
+    frequencies = torch.bincount(tokens, minlength=8).double() / draws
+    torch.testing.assert_close(frequencies, expected.double(), atol=2 / draws, rtol=0)
+
+
+def test_sampling_is_reproducible_batch_independent_and_greedy_at_top1():
+    model = random_model(vocab=30, seed=3)
+    sentences = [[5, 9, 3], [7, 8, 9, 10, 11, 12, 3], [20, 3], [4, 4, 4, 4, 3]]
+    width = max(map(len, sentences))
+    batch = torch.tensor([s + [0] * (width - len(s)) for s in sentences])
+    lines = [11, 12, 13, 14]  # the sentences' input lines: what their random numbers follow
+
+    def sampled(seed, rows=range(4), **options):
+        src = torch.tensor([sentences[i] + [0] * (width - len(sentences[i])) for i in rows])
+        uniforms = sentence_uniforms(seed, [lines[i] for i in rows], 30)
+        return [h[0].tokens for h in sample(model, src, uniforms, max_len_b=12, **options)]
+
+    flat = {"temperature": 4.0}  # this model is sharp: flattened, the draws matter
+    together = sampled(7, **flat)
+    assert together == sampled(7, **flat)
+    assert [sampled(7, [i], **flat)[0] for i in range(4)] == together  # alone: same draws
+    assert sampled(7, [3, 1], **flat) == [together[3], together[1]]
+    assert sampled(8, **flat) != together
+    greedy = beam_search(model, batch, beam=1, max_len_b=12)
+    assert sampled(7, topk=1) == [h[0].tokens for h in greedy]
+    assert sampled(9, temperature=0.01) == [h[0].tokens for h in greedy]
+
+
 def test_nbest_is_sorted_and_distinct():
     model = random_model(vocab=30, seed=4)
     hypotheses = beam_search(model, torch.tensor([[5, 6, 7, 3]]), beam=5, nbest=5,
@@ -394,6 +445,28 @@ def test_decode_stop_rule_option(trained, corpus):
     alone = run_attn(*common, "--stop", "best-ends", "--buffer-size", "1", stdin=stdin)
     assert alone.stdout == quick.stdout  # a per-sentence rule: batching changes nothing
     assert_clean_error(run_attn(*common, "--stop", "soon", stdin=stdin), "--stop", "'soon'")
+
+
+def test_decode_sample_option(trained, corpus):
+    model, _ = trained
+    stdin = "\n".join(corpus["val.en"].read_text(encoding="utf-8").splitlines()[:20]) + "\n"
+    common = ["decode", "-m", model, "--max-len-b", "6", "--dtype", "fp32", "--sample"]
+    first = run_attn(*common, "--seed", "5", "--topp", "0.95", stdin=stdin)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.count("\n") == 20
+    again = run_attn(*common, "--seed", "5", "--topp", "0.95", "--buffer-size", "1",
+                     stdin=stdin)
+    assert again.stdout == first.stdout  # same seed, other batches: same output
+    other = run_attn(*common, "--seed", "6", "--topp", "0.95", stdin=stdin)
+    assert other.stdout != first.stdout
+    top1 = run_attn(*common, "--topk", "1", stdin=stdin)
+    greedy = run_attn("decode", "-m", model, "--max-len-b", "6", "--dtype", "fp32", "--beam",
+                      "1", stdin=stdin)
+    assert top1.stdout == greedy.stdout
+    assert_clean_error(run_attn(*common, "--nbest", "2", stdin=stdin), "--nbest", "--sample")
+    assert_clean_error(run_attn("decode", "-m", model, "--topk", "5", stdin=stdin), "--sample")
+    assert_clean_error(run_attn(*common, "--topp", "0", stdin=stdin), "--topp")
+    assert_clean_error(run_attn(*common, "--temperature", "0", stdin=stdin), "--temperature")
 
 
 def test_decode_nbest_format(trained):
