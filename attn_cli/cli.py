@@ -327,7 +327,9 @@ def _text_stdout():
 
 @app.command()
 def decode(
-    model_path: Path = typer.Option(..., "-m", "--model", help="A model file (.st)."),
+    model_path: List[Path] = typer.Option(..., "-m", "--model", help="A model file (.st); "
+                                          "-m again for an ensemble (the models' "
+                                          "log-probabilities averaged at each step)."),
     beam: int = typer.Option(TRANSLATION.beam, "--beam", min=1, help="Beam size (paper: "
                              f"{TRANSLATION.beam}); 1 is greedy."),
     alpha: float = typer.Option(TRANSLATION.alpha, "--alpha", min=0.0, help="Length penalty α "
@@ -412,8 +414,9 @@ def score(
                                                 "-m, the source and target files."),
     ref: Optional[str] = typer.Option(None, "--ref", "-r", help="Reference translations (with "
                                       "--trees: the gold treebank)."),
-    model_path: Optional[Path] = typer.Option(None, "-m", "--model", help="Force-decode SRC "
-                                              "TGT with this model: per-line log-probs."),
+    model_path: Optional[List[Path]] = typer.Option(None, "-m", "--model", help="Force-decode "
+                                                    "SRC TGT with this model: per-line "
+                                                    "log-probs (-m again: an ensemble)."),
     metrics: str = typer.Option("bleu,chrf", "--metrics", help="Comma-separated: bleu, chrf, "
                                 "ter."),
     tokenize: Tokenizer = typer.Option(Tokenizer("13a"), "--tokenize", help="BLEU tokenizer, "
@@ -448,7 +451,7 @@ def score(
             raise AttnError("score --trees takes --ref GOLD and one file of trees (or stdin)")
         _score_trees(ref, files[0] if files else "-", sentence_level, max_errors, strict,
                      as_json)
-    elif model_path is not None:
+    elif model_path:
         if len(files) != 2:
             raise AttnError("score -m MODEL takes two files: SRC TGT")
         _score_with_model(model_path, files[0], files[1], device.value, dtype.value,
@@ -498,17 +501,22 @@ def _score_text(hypothesis_path: str, ref: str, names: list[str], tokenize: str,
         raise bad_line
 
 
-def _score_with_model(model_path: Path, src: str, tgt: str, device: str, dtype: str,
+def _score_with_model(model_paths: list[Path], src: str, tgt: str, device: str, dtype: str,
                       batch_tokens: int, threads: int, strict: bool, as_json: bool) -> None:
     from . import scoring
     from .devices import resolve_dtype
     from .translate import prepare_model
 
     sources, targets, bad_line = scoring.read_parallel(src, tgt, _utf8_policy(strict))
-    loaded, chosen, _ = prepare_model(model_path, device, threads)
+    from .modelfile import load_model
+    from .translate import check_same_vocabularies
+
+    loaded, chosen, _ = prepare_model(model_paths[0], device, threads)
+    ensemble = [load_model(path, device=chosen) for path in model_paths[1:]]
+    check_same_vocabularies([loaded, *ensemble], [str(path) for path in model_paths])
     started = time.perf_counter()
     results = scoring.force_decode(loaded, sources, targets, chosen,
-                                   resolve_dtype(dtype, chosen), batch_tokens)
+                                   resolve_dtype(dtype, chosen), batch_tokens, ensemble)
     _write_lines(_json_line({"line": number, "log_prob": round(r.log_prob, 4),
                              "tokens": r.tokens}) if as_json else f"{r.log_prob:.4f}\t{r.tokens}"
                  for number, r in enumerate(results, start=1))

@@ -103,8 +103,10 @@ class ForcedScore:
 
 
 def force_decode(loaded, sources: list[str], targets: list[str], device, dtype: str,
-                 batch_tokens: int = BATCH_TOKENS) -> list[ForcedScore]:
-    """Teacher-forced log-probabilities of each target given its source, in input order."""
+                 batch_tokens: int = BATCH_TOKENS, ensemble=()) -> list[ForcedScore]:
+    """Teacher-forced log-probabilities of each target given its source, in input order. With
+    an `ensemble` (more loaded models), of the distribution `attn decode -m A -m B` searches:
+    the models' log-probabilities averaged at each position, renormalised."""
     import torch
 
     from .devices import autocast
@@ -115,7 +117,7 @@ def force_decode(loaded, sources: list[str], targets: list[str], device, dtype: 
     tgt_ids = loaded.tgt_vocab.encode(targets)
     results: list[ForcedScore | None] = [None] * len(sources)
     lengths = [max(len(s), len(t) + 1) for s, t in zip(src_ids, tgt_ids)]
-    model = loaded.model.to(device).eval()
+    models = [member.model.to(device).eval() for member in (loaded, *ensemble)]
     with torch.no_grad():
         for batch in token_budget_batches(lengths, batch_tokens):
             src = pad_sequences([src_ids[i] for i in batch], config.pad_id).to(device)
@@ -123,8 +125,10 @@ def force_decode(loaded, sources: list[str], targets: list[str], device, dtype: 
             tgt_out = pad_sequences([tgt_ids[i] + [config.eos_id] for i in batch], config.pad_id)
             tgt_in, tgt_out = tgt_in.to(device), tgt_out.to(device)
             with autocast(device, dtype):
-                logits = model(src, tgt_in)
-            log_probs = torch.log_softmax(logits.float(), dim=-1)
+                each = [torch.log_softmax(model(src, tgt_in).float(), dim=-1)
+                        for model in models]
+            log_probs = each[0] if len(each) == 1 else \
+                torch.log_softmax(torch.stack(each).mean(dim=0), dim=-1)
             picked = log_probs.gather(-1, tgt_out.unsqueeze(-1)).squeeze(-1)
             keep = tgt_out != config.pad_id
             sums = (picked * keep).sum(dim=1).tolist()

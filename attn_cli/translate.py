@@ -160,24 +160,76 @@ def pad_sequences(rows: list[list[int]], pad_id: int) -> torch.Tensor:
     return out
 
 
+class Ensemble:
+    """Several models searched as one (`attn decode -m A -m B`): each step's next-token
+    log-probabilities are the average of the models' (a product of experts, which the search's
+    log-softmax renormalises). The models share their vocabularies; their architectures may
+    differ. Implements what the search needs of a model (`search.SearchModel`)."""
+
+    def __init__(self, models: list[torch.nn.Module]):
+        self.models = models
+        self.config = models[0].config  # the special ids, the same in every model
+
+    def encode(self, src_tokens: torch.Tensor):
+        encoded = [model.encode(src_tokens) for model in self.models]
+        return encoded, encoded[0][1]
+
+    def start_decoding(self, memory, src_mask) -> "EnsembleCache":
+        return EnsembleCache(tuple(model.start_decoding(*encoded)
+                                   for model, encoded in zip(self.models, memory)))
+
+    def decode_step(self, tokens: torch.Tensor, cache: "EnsembleCache"):
+        steps = [model.decode_step(tokens, part) for model, part in zip(self.models,
+                                                                       cache.parts)]
+        log_probs = torch.stack([torch.log_softmax(logits.float(), dim=-1)
+                                 for logits, _ in steps]).mean(dim=0)
+        return log_probs, EnsembleCache(tuple(part for _, part in steps))
+
+
+@dataclass(frozen=True)
+class EnsembleCache:
+    """The decoder caches of an ensemble's models, reordered together."""
+
+    parts: tuple
+
+    def reorder(self, rows: torch.Tensor, sources: torch.Tensor | None = None):
+        return EnsembleCache(tuple(part.reorder(rows, sources) for part in self.parts))
+
+
+def check_same_vocabularies(models: list[LoadedModel], names: list[str]) -> None:
+    """An ensemble's models must read and write the same pieces."""
+    first = models[0]
+    for other, name in zip(models[1:], names[1:]):
+        if (other.src_vocab.checksum != first.src_vocab.checksum
+                or other.tgt_vocab.checksum != first.tgt_vocab.checksum):
+            raise AttnError(f"{name} has another vocabulary than {names[0]}: the models of an "
+                            "ensemble must share their vocabularies")
+
+
 class Translator:
-    """A loaded model plus the search settings: lines in, hypotheses out."""
+    """A loaded model (or several: an ensemble) plus the search settings: lines in,
+    hypotheses out."""
 
     def __init__(self, loaded: LoadedModel, options: DecodeOptions, device: torch.device,
-                 dtype: str = "fp32", warn=None, constraint_for=None):
+                 dtype: str = "fp32", warn=None, constraint_for=None,
+                 ensemble: list[LoadedModel] = ()):
         self.loaded, self.options, self.device = loaded, options, device
         # Inference in bf16/fp16 converts the weights once (no per-call autocast casts): on a
         # CPU with native bf16 (AMX, AVX512-BF16) the matmuls run about twice as fast.
         precision = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-        self.model = loaded.model.to(device=device, dtype=precision[dtype]).eval()
-        if device.type == "cpu":
-            pack_for_cpu_inference(self.model)
-        config = loaded.config
-        # Longest source the model takes: its positions (learned) or any sane length, EOS
+        models = []
+        for member in (loaded, *ensemble):
+            model = member.model.to(device=device, dtype=precision[dtype]).eval()
+            if device.type == "cpu":
+                pack_for_cpu_inference(model)
+            models.append(model)
+        self.model = models[0] if len(models) == 1 else Ensemble(models)
+        # Longest source the models take: their positions (learned) or any sane length, EOS
         # included; the target side also needs max_len_a·|x| + b positions.
-        learned = config.positions == "learned"
-        self.max_source = config.max_positions - 1 if learned else MAX_SOURCE_TOKENS
-        self.longest_output = config.max_positions - 1 if learned else None
+        learned = [member.config.max_positions - 1 for member in (loaded, *ensemble)
+                   if member.config.positions == "learned"]
+        self.max_source = min(learned, default=MAX_SOURCE_TOKENS)
+        self.longest_output = min(learned, default=None)
         self.warn = warn or (lambda message: print(message, file=sys.stderr, flush=True))
         self.stats = DecodeStats()
         # constraint_for(lines of a batch) → a search constraint for them (parsing), or None
@@ -322,12 +374,17 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
         translator.translate(["A man is riding a bike."])  # ["Ein Mann fährt Fahrrad."]
     """
     from .devices import inference_dtype
+    from .modelfile import load_model
 
-    loaded, chosen, threads = prepare_model(model_path, device, threads)
+    paths = list(model_path) if isinstance(model_path, (list, tuple)) else [model_path]
+    loaded, chosen, threads = prepare_model(paths[0], device, threads)
+    ensemble = [load_model(path, device=chosen) for path in paths[1:]]
+    check_same_vocabularies([loaded, *ensemble], [str(path) for path in paths])
     workers, worker_threads = search_workers(threads, workers, chosen)
     settings = DecodeOptions(beam=beam, workers=workers, worker_threads=worker_threads,
                              **options)
-    return Translator(loaded, settings, chosen, inference_dtype(dtype, chosen), warn=warn)
+    return Translator(loaded, settings, chosen, inference_dtype(dtype, chosen), warn=warn,
+                      ensemble=ensemble)
 
 
 def run(translator: Translator, stream, out, name: str = "<stdin>", render=None,

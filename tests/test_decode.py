@@ -637,3 +637,52 @@ def test_library_translates_a_list_of_strings_as_the_command_does(trained):
     with pytest.raises(AttributeError):
         attn_cli.no_such_name  # noqa: B018
 
+
+
+# ------------------------------------------------------------------------------- ensembles
+
+
+def test_an_ensemble_averages_the_models_log_probabilities():
+    from attn_cli.translate import Ensemble
+
+    first, second = random_model(vocab=30, seed=3), random_model(vocab=30, seed=4)
+    src = torch.tensor([[5, 9, 3, 0], [7, 8, 9, 3]])
+    tokens = torch.tensor([2, 2])
+    ensemble = Ensemble([first, second])
+    memory, mask = ensemble.encode(src)
+    log_probs, cache = ensemble.decode_step(tokens, ensemble.start_decoding(memory, mask))
+    expected = []
+    for model in (first, second):
+        logits, _ = model.decode_step(tokens, model.start_decoding(*model.encode(src)))
+        expected.append(torch.log_softmax(logits, dim=-1))
+    torch.testing.assert_close(log_probs, (expected[0] + expected[1]) / 2)
+    # Searched as one model: a model twice is the model; the cache reorders every member.
+    assert [h[0].tokens for h in beam_search(Ensemble([first, first]), src, beam=3,
+                                             max_len_b=8)] == \
+        [h[0].tokens for h in beam_search(first, src, beam=3, max_len_b=8)]
+    both = beam_search(ensemble, src, beam=3, max_len_b=8, nbest=3)
+    assert all(len(h) == 3 for h in both)
+
+
+def test_decode_and_score_take_an_ensemble(trained, corpus, word_parser, tmp_path):
+    model, _ = trained
+    lines = corpus["val.en"].read_text(encoding="utf-8").splitlines()[:10]
+    stdin = "\n".join(lines) + "\n"
+    common = ["decode", "--beam", "2", "--max-len-b", "6", "--dtype", "fp32"]
+    alone = run_attn(*common, "-m", model, stdin=stdin)
+    twice = run_attn(*common, "-m", model, "-m", model, stdin=stdin)
+    assert twice.returncode == 0, twice.stderr
+    assert twice.stdout == alone.stdout and twice.stdout.count("\n") == 10
+    (tmp_path / "src").write_text(stdin, encoding="utf-8")
+    (tmp_path / "tgt").write_text("\n".join(corpus["val.de"].read_text(
+        encoding="utf-8").splitlines()[:10]) + "\n", encoding="utf-8")
+    one = run_attn("score", "-m", model, tmp_path / "src", tmp_path / "tgt")
+    two = run_attn("score", "-m", model, "-m", model, tmp_path / "src", tmp_path / "tgt")
+    assert two.returncode == 0, two.stderr
+    for a, b in zip(one.stdout.splitlines(), two.stdout.splitlines()):
+        assert float(a.split("\t")[0]) == pytest.approx(float(b.split("\t")[0]), abs=1e-3)
+    other = word_parser / "parser.st"  # another vocabulary
+    assert_clean_error(run_attn(*common, "-m", model, "-m", other, stdin=stdin),
+                       "parser.st", "vocabular")
+    assert_clean_error(run_attn("score", "-m", model, "-m", other, tmp_path / "src",
+                                tmp_path / "tgt"), "parser.st", "vocabular")
