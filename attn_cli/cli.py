@@ -367,6 +367,10 @@ def decode(
     workers: WorkersOption = 0,
     raw: bool = typer.Option(False, "--raw", help="Print subword pieces, not detokenized "
                              "text."),
+    attention: Optional[Path] = typer.Option(None, "--attention", help="Also save each line's "
+                                             "attention weights (encoder, decoder, "
+                                             "encoder-decoder: layers × heads) with its pieces "
+                                             "to this .st file, for `attn plot attention`."),
     input_path: InputOption = "-",
     strict: StrictOption = False,
 ) -> None:
@@ -389,8 +393,40 @@ def decode(
                                  temperature=temperature, seed=seed,
                                  batch_tokens=batch_tokens, buffer_size=buffer_size, raw=raw)
     log(f"decode: model loaded in {time.perf_counter() - started:.2f}s")
-    stats = _stream(translator, input_path, strict)
+    render = None
+    if attention is not None:
+        from .attention_maps import AttentionWriter
+
+        writer = AttentionWriter(attention)
+        render = _recording_attention(translator, writer)
+    stats = _stream(translator, input_path, strict, render)
+    if attention is not None:
+        writer.write()
+        log(f"decode: attention maps of {len(writer.pieces)} lines in {attention}")
     log(f"decode: {stats.summary()}")
+
+
+def _recording_attention(translator, writer):
+    """A `translate.run` render that prints what decode prints and adds the line's attention
+    maps (of its best output) to `writer`."""
+    from .attention_maps import attention_maps
+    from .translate import Ensemble
+
+    model = translator.model.models[0] if isinstance(translator.model, Ensemble) \
+        else translator.model
+    loaded, eos = translator.loaded, translator.loaded.config.eos_id
+
+    def render(index, line, hypotheses):
+        if line.strip():
+            source = loaded.src_vocab.encode([line])[0][:translator.max_source] + [eos]
+            output = hypotheses[0].tokens
+            maps = attention_maps(model, [source], [output])[0]
+            pieces = [loaded.src_vocab.processor.id_to_piece(i) for i in source]
+            out_pieces = [loaded.tgt_vocab.processor.id_to_piece(i) for i in output + [eos]]
+            writer.add(index + 1, maps, pieces, out_pieces)
+        return translator.format(index, hypotheses)
+
+    return render
 
 
 def _stream(translator, input_path: str, strict: bool, render=None):
@@ -636,6 +672,47 @@ def parse_linearize(
         f"to {prefix}.symbols"
         + (f", and {extra} constituents" if subtrees else "")
         + (f" ({skipped} empty after clean-up, skipped)" if skipped else ""))
+
+
+AttentionKind = _choices("AttentionKind", ("encoder", "decoder", "cross"))
+XAxis = _choices("XAxis", ("step", "time", "both"))
+
+
+@app.command()
+def plot(
+    targets: List[str] = typer.Argument(..., metavar="RUN_DIR... | attention FILE.st",
+                                        help="Run directories (their metrics.jsonl, overlaid), "
+                                        "or `attention` and a file from `attn decode "
+                                        "--attention`."),
+    output: Path = typer.Option(..., "-o", "--output", help="The figure (.png, .pdf, .svg)."),
+    x_axis: XAxis = typer.Option(XAxis.both, "--x", help="Curves against steps, training "
+                                 "time, or both side by side."),
+    line: Optional[int] = typer.Option(None, "--line", min=1, help="attention: the input line "
+                                       "(from 1)."),
+    kind: AttentionKind = typer.Option(AttentionKind.encoder, "--kind", help="attention: "
+                                       "encoder or decoder self-attention, or cross "
+                                       "(encoder-decoder)."),
+    layer: Optional[int] = typer.Option(None, "--layer", min=1, help="attention: the layer "
+                                        "(from 1; default the last)."),
+    head: Optional[int] = typer.Option(None, "--head", min=1, help="attention: one head "
+                                       "(from 1; default every head side by side, as the "
+                                       "paper's Figure 3)."),
+) -> None:
+    """Draw training curves (loss, perplexity, validation metric, learning rate, tokens/s) of
+    runs, or attention maps like the paper's Figures 3-5 (pip install 'attn[plot]')."""
+    from . import plots
+
+    if targets[0] == "attention" and not (len(targets) == 1 and Path("attention").is_dir()):
+        if len(targets) != 2 or line is None:
+            raise AttnError("plot attention takes one file from `attn decode --attention` "
+                            "and --line N")
+        drawn_layer, heads = plots.plot_attention(targets[1], line, output, kind.value, layer,
+                                                  head)
+        log(f"plot: {output}: line {line}, {kind.value}, layer {drawn_layer}, "
+            f"head{'s' if len(heads) > 1 else ''} {', '.join(map(str, heads))}")
+        return
+    panels = plots.plot_runs(targets, output, x_axis.value)
+    log(f"plot: {output}: {', '.join(panels)} of {len(targets)} run(s)")
 
 
 export_app = typer.Typer(no_args_is_help=True, help="Models in other engines' formats.",

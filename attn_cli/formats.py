@@ -22,10 +22,14 @@ STATE_FORMAT = "attn-train-state"  # checkpoint-STEP.state.st
 STATE_FORMAT_VERSION = "1"
 CONFIG_FORMAT_VERSION = 1  # the model config's JSON, inside every model file
 
+ATTENTION_FORMAT = "attn-attention"  # `attn decode --attention`
+ATTENTION_FORMAT_VERSION = "1"
+
 FORMAT_DESCRIPTIONS = {
     MODEL_FORMAT: "an attn model file",
     DATA_FORMAT: "a data file from `attn binarize`",
     STATE_FORMAT: "an attn training state",
+    ATTENTION_FORMAT: "attention maps from `attn decode --attention`",
 }
 
 # ------------------------------------------------------------------------------ tensor names

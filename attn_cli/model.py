@@ -80,6 +80,9 @@ class MultiHeadAttention(nn.Module):
         else:
             self.qkv_proj = nn.Linear(config.d_model, 2 * q_width + v_width, bias=False)
         self.out_proj = nn.Linear(v_width, config.d_model, bias=False)
+        # A list to append each call's attention weights to (B, H, Lq, Lk), for attention maps
+        # (`attn decode --attention`); None: not recorded, the fused kernels run.
+        self.recorded: list[Tensor] | None = None
 
     def forward(self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None,
                 causal: bool = False) -> Tensor:
@@ -123,7 +126,11 @@ class MultiHeadAttention(nn.Module):
         """Scaled dot-product attention over heads; `mask` is True where a key may be attended.
         A single query position (a decoding step) takes `attention_written_out`: for so few
         queries two batched matmuls are 2-4x faster than the fused kernels on a CPU."""
-        if queries.shape[2] == 1 and not causal and not self.training:
+        if self.recorded is not None:
+            weights = attention_weights(queries, keys.transpose(-1, -2), mask, causal)
+            self.recorded.append(weights)
+            context = torch.matmul(weights.to(values.dtype), values)
+        elif queries.shape[2] == 1 and not causal and not self.training:
             context = attention_written_out(queries, keys.transpose(-1, -2), values, mask)
         else:
             context = F.scaled_dot_product_attention(
@@ -151,6 +158,19 @@ class MultiHeadAttention(nn.Module):
                 queries, keys_t.transpose(-1, -2), values, attn_mask=src_mask,
                 dropout_p=self.attention_dropout if self.training else 0.0)  # (B, H, G·T, d_v)
         return self.out_proj(context.transpose(1, 2).reshape(rows, length, -1))
+
+
+def attention_weights(queries: Tensor, keys_t: Tensor, mask: Tensor | None = None,
+                      causal: bool = False) -> Tensor:
+    """softmax(Q K^T / sqrt(d_k)) in float32, (..., Lq, Lk): what each query attends to. `mask`
+    is True where a key may be attended; `causal`: query i sees keys 0..i only."""
+    scores = torch.matmul(queries, keys_t).float() * queries.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    if causal:
+        above = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(above, -math.inf)
+    return scores.softmax(dim=-1)
 
 
 def attention_written_out(queries: Tensor, keys_t: Tensor, values: Tensor,

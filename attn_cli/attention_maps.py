@@ -1,0 +1,126 @@
+"""Attention maps like the paper's Figures 3-5: what every head of every layer attends to.
+
+`attn decode --attention FILE.st` writes, for each non-empty input line, the attention weights
+of the output it printed, from one teacher-forced pass of the model over the source and that
+output (the same weights the search computed as it went, without its beam bookkeeping):
+
+    LINE.encoder  (layers, heads, S, S)  encoder self-attention over the source pieces
+    LINE.decoder  (layers, heads, T, T)  decoder self-attention: row t is the position that
+                                         output piece t came from; it sees <s> and pieces < t
+    LINE.cross    (layers, heads, T, S)  encoder-decoder attention: output piece t → source
+
+as float16 in a safetensors file, LINE the input line number (from 1); S counts the source
+pieces and its </s>, T the output pieces and their </s>. The metadata's `pieces` (JSON) gives
+each line's `source` and `output` pieces, the axis labels. `attn plot attention FILE.st --line N`
+draws them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+from .files import AttnError, atomic_path
+from .formats import ATTENTION_FORMAT, ATTENTION_FORMAT_VERSION, FORMAT_DESCRIPTIONS
+
+KINDS = ("encoder", "decoder", "cross")
+
+
+@contextlib.contextmanager
+def recorded_attention(model):
+    """While open, every attention layer of `model` appends its weights to a list: yields
+    {kind: [that list of each layer]}."""
+    layers = {"encoder": [layer.self_attn for layer in model.encoder_layers],
+              "decoder": [layer.self_attn for layer in model.decoder_layers],
+              "cross": [layer.cross_attn for layer in model.decoder_layers]}
+    for modules in layers.values():
+        for module in modules:
+            module.recorded = []
+    try:
+        yield {kind: [module.recorded for module in modules]
+               for kind, modules in layers.items()}
+    finally:
+        for modules in layers.values():
+            for module in modules:
+                module.recorded = None
+
+
+@torch.inference_mode()
+def attention_maps(model, sources: list[list[int]], outputs: list[list[int]],
+                   sentences_per_pass: int = 32) -> list[dict[str, torch.Tensor]]:
+    """Each sentence's {kind: (layers, heads, rows, columns)} maps (see the module's doc):
+    `sources` the source ids with their EOS, `outputs` the output ids without BOS or EOS."""
+    from .translate import pad_sequences
+
+    config = model.config
+    found = []
+    for start in range(0, len(sources), sentences_per_pass):
+        src_ids = sources[start:start + sentences_per_pass]
+        out_ids = outputs[start:start + sentences_per_pass]
+        device = next(model.parameters()).device
+        src = pad_sequences(src_ids, config.pad_id).to(device)
+        tgt_in = pad_sequences([[config.bos_id] + ids for ids in out_ids],
+                               config.pad_id).to(device)
+        with recorded_attention(model) as records:
+            memory, src_mask = model.encode(src)
+            model.decode(tgt_in, memory, src_mask)
+        stacked = {kind: torch.stack([weights[0] for weights in per_layer], dim=1)
+                   for kind, per_layer in records.items()}  # (B, layers, heads, Lq, Lk)
+        for row, (src_row, out_row) in enumerate(zip(src_ids, out_ids)):
+            s, t = len(src_row), len(out_row) + 1
+            found.append({"encoder": stacked["encoder"][row, :, :, :s, :s],
+                          "decoder": stacked["decoder"][row, :, :, :t, :t],
+                          "cross": stacked["cross"][row, :, :, :t, :s]})
+    return found
+
+
+class AttentionWriter:
+    """Collects the maps of decoded lines, then writes them in one safetensors file."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.pieces: dict[str, dict[str, list[str]]] = {}
+
+    def add(self, line: int, maps: dict[str, torch.Tensor], source: list[str],
+            output: list[str]) -> None:
+        for kind in KINDS:
+            self.tensors[f"{line}.{kind}"] = maps[kind].to(torch.float16).cpu().contiguous()
+        self.pieces[str(line)] = {"source": source, "output": output}
+
+    def write(self) -> None:
+        from safetensors.torch import save_file
+
+        metadata = {"format": ATTENTION_FORMAT, "format_version": ATTENTION_FORMAT_VERSION,
+                    "pieces": json.dumps(self.pieces, ensure_ascii=False)}
+        with atomic_path(self.path) as temp:
+            save_file(self.tensors, str(temp), metadata=metadata)
+
+
+def read_attention(path: str | Path, line: int) -> tuple[dict[str, torch.Tensor],
+                                                         dict[str, list[str]]]:
+    """The maps ({kind: (layers, heads, rows, columns)} float32) and pieces of one line."""
+    from safetensors import safe_open
+
+    from . import stfile
+
+    header = stfile.read_header(path, "attention file")
+    found = header.metadata.get("format")
+    if found != ATTENTION_FORMAT:
+        kind = FORMAT_DESCRIPTIONS.get(found, "not an attn file")
+        raise AttnError(f"{path} is {kind}, not attention maps from `attn decode --attention`")
+    if header.metadata.get("format_version") != ATTENTION_FORMAT_VERSION:
+        raise AttnError(f"{path} has attention format version "
+                        f"{header.metadata.get('format_version')}, this attn reads "
+                        f"{ATTENTION_FORMAT_VERSION}")
+    pieces = json.loads(header.metadata.get("pieces", "{}"))
+    if str(line) not in pieces:
+        lines = sorted(map(int, pieces))
+        span = f"lines {lines[0]}-{lines[-1]}" if lines else "no lines"
+        raise AttnError(f"{path} has no maps for line {line} ({span}; empty lines have none)")
+    with safe_open(str(path), framework="pt") as handle:
+        maps = {kind: handle.get_tensor(f"{line}.{kind}").float() for kind in KINDS}
+    return maps, pieces[str(line)]
