@@ -634,8 +634,13 @@ def validate(run: _Run) -> dict:
     fields = evaluate(run.trained, run.valid, run.plan.max_tokens, run.recipe.label_smoothing,
                       run.processes, run.dtype)
     if run.validator is not None:
-        with autocast(run.processes.device, run.dtype):
-            fields[metric_key(run.validator.metric)] = run.validator.score(run.model)
+        try:
+            with autocast(run.processes.device, run.dtype):
+                fields[metric_key(run.validator.metric)] = run.validator.score(run.model)
+        except (AttnError, RecursionError, RuntimeError, ValueError) as error:
+            # A validation that fails must not end hours of training: said, and the run goes on.
+            _log(run.processes, f"validation by {run.validator.metric} failed, the run goes "
+                 f"on without that score: {type(error).__name__}: {error}")
     fields["valid_metric"] = run.options.valid_metric
     fields["valid_s"] = time.monotonic() - started
     return fields

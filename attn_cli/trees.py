@@ -18,6 +18,10 @@ PLACEHOLDER = "XX"  # every POS tag in linearized trees (EVALB does not score ta
 ROOT = "TOP"  # the outer bracket; Penn Treebank files leave it unlabelled
 EQUIVALENT_LABELS = {"PRT": "ADVP"}  # COLLINS.prm's EQ_LABEL ADVP PRT
 BRACKET_ESCAPES = {"(": "-LRB-", ")": "-RRB-"}
+# Deepest nesting `delinearize` builds. Gold trees of the Penn Treebank sample nest at most ~30
+# deep; an untrained parser can open hundreds of brackets in a row, and the tree functions
+# here recurse once per level.
+MAX_TREE_DEPTH = 100
 
 
 @dataclass
@@ -174,19 +178,26 @@ def delinearize(sequence: str, words: list[str]) -> Tree:
     """A well-formed tree with exactly `words` as leaves, whatever `sequence` holds: each
     terminal token (placeholder or word) takes the next input word, unmatched closings and bare
     brackets are dropped, open brackets are closed, missing terminals are added at the end and
-    surplus ones dropped, empty constituents removed."""
+    surplus ones dropped, empty constituents removed; brackets nested deeper than
+    MAX_TREE_DEPTH are dropped with their closings."""
     root = Tree(ROOT, [])
     stack = [root]
     used = 0
+    too_deep = 0  # brackets opened past MAX_TREE_DEPTH and not yet closed: dropped
     for token in sequence.split():
         if is_terminal(token):
             if used < len(words):
                 stack[-1].children.append(Tree(PLACEHOLDER, [words[used]]))
                 used += 1
         elif token.startswith("(") and len(token) > 1:
+            if len(stack) > MAX_TREE_DEPTH:
+                too_deep += 1
+                continue
             node = Tree(token[1:], [])
             stack[-1].children.append(node)
             stack.append(node)
+        elif token.startswith(")") and too_deep:
+            too_deep -= 1
         elif token.startswith(")") and len(stack) > 1:
             stack.pop()
     for word in words[used:]:  # the model stopped early: attach what is missing to the root

@@ -77,6 +77,25 @@ def test_linearization_round_trip():
                                 "(VP XX )VP )VP )S )VP XX )S")
 
 
+def test_a_runaway_parser_output_still_gives_a_tree():
+    """An untrained parser can open brackets until its length limit: the repair drops those
+    nested past MAX_TREE_DEPTH (with their closings) instead of recursing past Python's limit,
+    and the tree is still over exactly the words and scores."""
+    from attn_cli.trees import MAX_TREE_DEPTH
+
+    words = ["the", "dog", "barks"]
+    sequence = "(S " * 3000 + "(NP XX XX )NP " + ")S " * 2999 + "XX )S )S"
+    tree = merge_unary_repeats(delinearize(sequence, words))
+    assert tree.words() == words
+    depth, node = 0, tree
+    while not node.is_preterminal:
+        node, depth = node.children[0], depth + 1
+    assert depth <= MAX_TREE_DEPTH + 1
+    assert str(tree).startswith("(TOP (S")
+    gold = next(read_trees("(TOP (S (NP (DT the) (NN dog)) (VP (VBZ barks))))"))
+    assert evalb_sentence(gold, tree).test > 0
+
+
 @pytest.mark.parametrize("sequence,expected", [
     ("(S (NP XX XX )NP (VP XX )VP", "(TOP (S (NP (XX a) (XX b)) (VP (XX c))))"),  # unclosed
     (")S )NP (S XX XX XX )S )S", "(TOP (S (XX a) (XX b) (XX c)))"),  # stray closings

@@ -133,3 +133,18 @@ def test_validation_f1_is_what_parse_and_score_give(word_parser, tmp_path):
     targets = data.src_vocab.decode([data.pair(i)[1].tolist() for i in range(len(data))])
     assert from_targets.score_texts(targets) == pytest.approx(100.0)
     assert 50 < from_targets.score_texts(validator.hypotheses(model)) < 100
+
+
+def test_a_failing_validation_does_not_end_the_run(data_files, tmp_path, monkeypatch):
+    def broken(self, model):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(Validator, "score", broken)
+    result = run_attn("train", data_files[0], "-o", tmp_path / "run", "--preset", "tiny",
+                      "--max-steps", "4", "--save-every", "2", "--valid", data_files[1],
+                      "--valid-metric", "bleu", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("validation by bleu failed, the run goes on") == 2
+    assert [step for step, _ in list_checkpoints(tmp_path / "run")] == [2, 4]
+    assert all("valid_bleu" not in row and "valid_loss" in row
+               for row in rows_of(tmp_path / "run"))
