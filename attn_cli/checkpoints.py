@@ -67,6 +67,11 @@ class ResumeState:
     adam: dict[str, torch.Tensor]  # "exp_avg.NAME", "exp_avg_sq.NAME", "step.NAME"
     scaler: dict  # fp16 loss-scaler state (empty otherwise)
     schedule_offset: int = 0  # the step the warmup counts from (--reset-schedule)
+    # How the run's batches were cut (training.BatchPlan's fields): the offset counts
+    # micro-batches of this budget. None in states written before it was kept.
+    batch_plan: dict | None = None
+    # (budget, micro-batches) of the current epoch cut with earlier budgets, in order
+    earlier_budgets: tuple[tuple[int, int], ...] = ()
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module,
@@ -82,7 +87,9 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module,
                 "elapsed_seconds": repr(state.elapsed_seconds),
                 "options": json.dumps(state.options, sort_keys=True),
                 "scaler": json.dumps(state.scaler),
-                "schedule_offset": str(state.schedule_offset)}
+                "schedule_offset": str(state.schedule_offset),
+                "batch_plan": json.dumps(state.batch_plan),
+                "earlier_budgets": json.dumps(state.earlier_budgets)}
     with atomic_path(state_path(run_dir, step)) as temp:
         save_file(tensors, str(temp), metadata=metadata)
     path = checkpoint_path(run_dir, step)
@@ -143,7 +150,10 @@ def load_checkpoint(run_dir: Path, step: int, device) -> tuple[LoadedModel, Resu
                         scaler=json.loads(metadata.get("scaler", "{}")),
                         # states written before it had a field of its own kept it in options
                         schedule_offset=int(metadata.get("schedule_offset",
-                                                         options.get("schedule_offset", 0))))
+                                                         options.get("schedule_offset", 0))),
+                        batch_plan=json.loads(metadata.get("batch_plan", "null")),
+                        earlier_budgets=tuple(tuple(cut) for cut in json.loads(
+                            metadata.get("earlier_budgets", "[]"))))
     return loaded, state
 
 

@@ -69,7 +69,7 @@ class BatchPlan:
     """How a global batch is split: tokens per forward pass, passes per process per step."""
 
     batch_tokens: int  # per side, per optimizer step, over all processes
-    max_tokens: int  # per forward pass (padding included)
+    max_tokens: int  # per forward pass (padding included): the micro-batch's budget
     world_size: int
     accumulation: int  # forward passes per process per step
 
@@ -77,42 +77,102 @@ class BatchPlan:
     def micro_batches_per_step(self) -> int:
         return self.accumulation * self.world_size
 
+    @property
+    def step_tokens(self) -> int:
+        """The budget of a whole step: --batch-tokens, rounded up by less than a token per pass."""
+        return self.max_tokens * self.micro_batches_per_step
+
     def describe(self) -> str:
         return (f"batch plan  {self.batch_tokens} tokens/side/step over {self.world_size} "
                 f"process(es): {self.max_tokens} tokens per forward pass, "
-                f"{self.accumulation} accumulation step(s) per process")
+                f"{self.accumulation} accumulation step(s) per process "
+                f"({self.step_tokens} tokens/side in all)")
+
+    def record(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def brief(self) -> str:
+        return (f"{self.world_size} process(es) x {self.accumulation} pass(es) x "
+                f"{self.max_tokens} tokens")
 
 
 def batch_plan(batch_tokens: int, max_tokens: int | None, world_size: int) -> BatchPlan:
+    """As few forward passes as the cap `max_tokens` allows, all of one budget, the smallest
+    that adds up to `batch_tokens`: the global batch is the same for any process count (a
+    budget left at the cap would round it up by up to a pass: 28,672 instead of 25,000 on
+    1 process with a 4096 cap, 36,864 on 3)."""
     per_process = math.ceil(batch_tokens / world_size)
-    max_tokens = min(max_tokens or per_process, per_process)
-    return BatchPlan(batch_tokens, max_tokens, world_size, math.ceil(per_process / max_tokens))
+    cap = min(max_tokens or per_process, per_process)
+    accumulation = math.ceil(per_process / cap)
+    budget = math.ceil(batch_tokens / (world_size * accumulation))  # ≤ cap
+    return BatchPlan(batch_tokens, budget, world_size, accumulation)
 
 
 class MicroBatchStream:
     """The endless sequence of micro-batches (index arrays), epoch after epoch, each epoch
-    bucketed and shuffled from (seed, epoch). `position` is what resuming needs."""
+    bucketed and shuffled from (seed, epoch). `position` is what resuming needs.
+
+    A run resumed with another budget per micro-batch (another process count or --max-tokens)
+    goes on from the same place in the data: the epoch's batches used so far stay as they were
+    cut (`earlier_budgets`: (budget, batches) for each earlier part of the epoch), and the rest
+    of the epoch is cut with the new budget from the pairs they left, so that no pair is
+    skipped or seen twice."""
 
     def __init__(self, data: ParallelData, max_tokens: int, seed: int, epoch: int = 0,
-                 offset: int = 0):
+                 offset: int = 0, earlier_budgets: tuple[tuple[int, int], ...] = ()):
         self.data, self.max_tokens, self.seed = data, max_tokens, seed
         self.epoch, self.offset = epoch, offset
-        self._batches = self._epoch_batches(epoch)
+        self.earlier_budgets = tuple((int(budget), int(count))
+                                     for budget, count in earlier_budgets)
+        self._batches = self._epoch_batches()
 
-    def _epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        return token_batches(self.data.src_lengths, self.data.tgt_lengths, self.max_tokens,
-                             self.seed, epoch)
+    def _epoch_batches(self) -> list[np.ndarray]:
+        """This epoch's batches: each earlier budget's share cut from the pairs the ones before
+        it left, the rest with this stream's budget."""
+        unused = np.arange(len(self.data))
+        batches: list[np.ndarray] = []
+        for budget, count in (*self.earlier_budgets, (self.max_tokens, None)):
+            if len(unused) == 0:
+                break
+            cut = token_batches(self.data.src_lengths[unused], self.data.tgt_lengths[unused],
+                                budget, self.seed, self.epoch)[:count]
+            cut = [unused[indices] for indices in cut]
+            batches += cut
+            if count is not None:
+                unused = np.setdiff1d(unused, np.concatenate(cut))
+        return batches
 
     @property
     def position(self) -> tuple[int, int]:
         return self.epoch, self.offset
 
+    @property
+    def epoch_length(self) -> int:
+        """Micro-batches in the current epoch."""
+        return len(self._batches)
+
+    def next_epoch(self) -> None:
+        self.epoch, self.offset, self.earlier_budgets = self.epoch + 1, 0, ()
+        self._batches = self._epoch_batches()
+
+    def change_budget(self, max_tokens: int) -> None:
+        """Go on with micro-batches of `max_tokens` from the same place in the data."""
+        if max_tokens == self.max_tokens:
+            return
+        used_at_this_budget = self.offset - sum(count for _, count in self.earlier_budgets)
+        previous, self.max_tokens = self.max_tokens, max_tokens
+        if self.offset >= len(self._batches):
+            self.next_epoch()
+            return
+        if used_at_this_budget > 0:
+            self.earlier_budgets += ((previous, used_at_this_budget),)
+        self._batches = self._epoch_batches()
+
     def take(self, count: int) -> list[np.ndarray]:
         taken = []
         while len(taken) < count:
-            if self.offset == len(self._batches):
-                self.epoch, self.offset = self.epoch + 1, 0
-                self._batches = self._epoch_batches(self.epoch)
+            if self.offset >= len(self._batches):
+                self.next_epoch()
             taken.append(self._batches[self.offset])
             self.offset += 1
         return taken
@@ -367,29 +427,54 @@ class _Position:
     offset: int = 0
     elapsed_seconds: float = 0.0
     schedule_offset: int = 0  # the step the warmup counts from (--reset-schedule)
+    batch_plan: dict | None = None  # the plan `offset` counts in (None: a new run, an old state)
+    earlier_budgets: tuple[tuple[int, int], ...] = ()  # MicroBatchStream's
 
-    def __iter__(self):
-        return iter(dataclasses.astuple(self))
+
+def _resume_step(options: TrainOptions, processes: Processes) -> int | None:
+    """The step of the checkpoint to resume from (None: a new run), as rank 0 finds its run
+    directory, sent to every rank: no rank decides from its own disk, which on another node may
+    hold other checkpoints or none. Refuses to overwrite a run without --resume."""
+    decision: dict = {}
+    if processes.is_main:
+        run_dir = Path(options.output)
+        existing = checkpoints.list_checkpoints(run_dir, need_state=True)
+        if existing and not options.resume:
+            decision["error"] = (f"{run_dir} already holds checkpoints (last: step "
+                                 f"{existing[-1][0]}); add --resume to continue that run, or "
+                                 "choose another -o")
+        elif existing:
+            decision["step"] = existing[-1][0]
+        elif options.resume:
+            _log(processes, f"nothing to resume in {run_dir}: starting a new run")
+    if processes.distributed:
+        import torch.distributed as dist
+
+        sent = [decision]
+        dist.broadcast_object_list(sent, src=0)
+        decision = sent[0]
+    if "error" in decision:
+        raise AttnError(decision["error"])
+    return decision.get("step")
 
 
 def _start_or_resume(options: TrainOptions, processes: Processes, config: ModelConfig,
-                     data: ParallelData, dtype: str):
-    """A new model and optimizer, or the last checkpoint's with Adam's moments, the data
-    position and the schedule as they were. Refuses to overwrite a run without --resume."""
+                     data: ParallelData, dtype: str, step: int | None):
+    """A new model and optimizer, or checkpoint `step`'s with Adam's moments, the data
+    position and the schedule as they were."""
     run_dir = Path(options.output)
-    existing = checkpoints.list_checkpoints(run_dir, need_state=True)
-    if existing and not options.resume:
-        raise AttnError(f"{run_dir} already holds checkpoints (last: step {existing[-1][0]}); "
-                        "add --resume to continue that run, or choose another -o")
     torch.manual_seed(options.seed)
     scaler = torch.amp.GradScaler("cuda", enabled=dtype == "fp16")
-    if not (options.resume and existing):
-        if options.resume:
-            _log(processes, f"nothing to resume in {run_dir}: starting a new run")
+    if step is None:
         model = Transformer(config).to(processes.device).train()
         return model, _adam(model), scaler, _Position()
 
-    loaded, state = checkpoints.load_checkpoint(run_dir, existing[-1][0], processes.device)
+    if not (checkpoints.checkpoint_path(run_dir, step).exists()
+            and checkpoints.state_path(run_dir, step).exists()):
+        raise AttnError(f"{run_dir} holds no checkpoint-{step}.st and its state, which rank 0 "
+                        "resumes from: every process must see rank 0's run directory at its -o "
+                        "path (on several nodes, a shared file system)")
+    loaded, state = checkpoints.load_checkpoint(run_dir, step, processes.device)
     _check_resume(loaded.config, config, loaded.src_vocab.checksum,
                   data.metadata["src_vocab_sha256"], state.options, options, processes)
     model = loaded.model.train()
@@ -404,12 +489,11 @@ def _start_or_resume(options: TrainOptions, processes: Processes, config: ModelC
     if options.reset_schedule:
         schedule_offset = state.step
         _log(processes, f"--reset-schedule: warmup starts again at step {state.step + 1}")
-    if processes.is_main:
-        checkpoints.truncate_metrics(run_dir, state.step)
     _log(processes, f"resuming {run_dir} from step {state.step} (epoch {state.epoch}, batch "
          f"{state.offset})")
     return model, optimizer, scaler, _Position(state.step, state.epoch, state.offset,
-                                               state.elapsed_seconds, schedule_offset)
+                                               state.elapsed_seconds, schedule_offset,
+                                               state.batch_plan, state.earlier_budgets)
 
 
 def _adam(model: torch.nn.Module) -> torch.optim.Adam:
@@ -534,28 +618,35 @@ def _train(options: TrainOptions, processes: Processes, display: Display) -> Pat
 
 def _start(options: TrainOptions, processes: Processes,
            display: Display) -> tuple[_Run, _Position]:
-    """Data, model, optimizer and batches of a new or resumed run."""
+    """Data, model, optimizer and batches of a new or resumed run, the same on every rank."""
     recipe = options.recipe()
     preset = get_preset(options.preset)
     run_dir = Path(options.output)
-    data = ParallelData(options.data)
-    valid = ParallelData(options.valid) if options.valid else None
-    if valid is not None:
-        data.check_same_vocab(valid)
+    resume_step = _resume_step(options, processes)
+    dtype = resolve_dtype(options.dtype, processes.device)
+
+    def prepare():
+        data = ParallelData(options.data)
+        valid = ParallelData(options.valid) if options.valid else None
+        if valid is not None:
+            data.check_same_vocab(valid)
+        config = preset.model_config(len(data.src_vocab),
+                                     None if data.shared_vocab else len(data.tgt_vocab),
+                                     dropout=recipe.dropout)
+        started = _start_or_resume(options, processes, config, data, dtype, resume_step)
+        return data, valid, config, started
+
+    data, valid, config, (model, optimizer, scaler, position) = _same_on_every_rank(
+        processes, prepare, lambda prepared: _rank_facts(options, *prepared[:2],
+                                                          prepared[3][3]))
     validator = None
     if valid is not None and options.valid_metric != "loss" and processes.is_main:
         validator = Validator.build(options.valid_metric, valid,
                                     str(options.valid_ref) if options.valid_ref else None,
                                     options.valid_beam)
-    dtype = resolve_dtype(options.dtype, processes.device)
     if processes.is_main:
         warn_if_bf16_is_emulated(dtype, processes.device, "train")
     plan = batch_plan(recipe.batch_tokens, options.max_tokens, processes.world_size)
-    config = preset.model_config(len(data.src_vocab),
-                                 None if data.shared_vocab else len(data.tgt_vocab),
-                                 dropout=recipe.dropout)
-    model, optimizer, scaler, position = _start_or_resume(options, processes, config,
-                                                          data, dtype)
     trained = model
     if processes.distributed:
         from torch.nn.parallel import DistributedDataParallel
@@ -566,14 +657,117 @@ def _start(options: TrainOptions, processes: Processes,
             else None, gradient_as_bucket_view=True)
     if processes.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            checkpoints.truncate_metrics(run_dir, position.step)
         _log(processes, f"{preset.name}: {sum(p.numel() for p in model.parameters()):,} "
              f"parameters, {len(data)} training pairs, {dtype} on {processes.device}")
         _log(processes, plan.describe())
-    stream = MicroBatchStream(data, plan.max_tokens, options.seed, position.epoch,
-                              position.offset)
+    stream = _resumed_stream(data, plan, options.seed, position, processes)
     return _Run(options, recipe, processes, display, run_dir, data, valid, validator, dtype,
                 plan, config, model, trained, optimizer, scaler, stream,
                 position.schedule_offset), position
+
+
+def _resumed_stream(data: ParallelData, plan: BatchPlan, seed: int, position: _Position,
+                    processes: Processes) -> MicroBatchStream:
+    """The micro-batches from where the run stopped. Under another plan than the checkpoint's
+    (another process count, --max-tokens or --batch-tokens) the run goes on from the same
+    place in the data with the new plan's global batch, and says so."""
+    saved = BatchPlan(**position.batch_plan) if position.batch_plan else None
+    stream = MicroBatchStream(data, saved.max_tokens if saved else plan.max_tokens, seed,
+                              position.epoch, position.offset, position.earlier_budgets)
+    if stream.offset > stream.epoch_length:  # only with another data file than the run's
+        _log(processes, f"resume: the data position (epoch {stream.epoch}, batch "
+             f"{stream.offset}) lies past the end of that epoch in {data.path} "
+             f"({stream.epoch_length} batches): going on with epoch {stream.epoch + 1}")
+        stream.next_epoch()
+    if saved is not None and saved != plan:
+        if saved.max_tokens == plan.max_tokens:
+            how = "micro-batches cut as before"
+        else:
+            how = (f"the rest of epoch {stream.epoch} (from its micro-batch {stream.offset}) cut "
+                   f"into {plan.max_tokens}-token micro-batches from the pairs not yet used")
+        _log(processes, f"resume: batch plan {saved.brief()} -> {plan.brief()} "
+             f"({saved.step_tokens} -> {plan.step_tokens} tokens/side/step); {how}")
+        stream.change_budget(plan.max_tokens)
+    return stream
+
+
+# What a rank's facts leave out of the options: paths, which may differ from node to node
+# (the files' contents are compared instead).
+PER_NODE_OPTIONS = {"data", "output", "valid", "valid_ref"}
+
+
+def _rank_facts(options: TrainOptions, data: ParallelData, valid: ParallelData | None,
+                position: _Position) -> dict:
+    """What every rank must share with rank 0: the options, the data (by checksum) and the
+    point it resumes from."""
+    return {
+        "options": {key: value for key, value in options.record().items()
+                    if key not in PER_NODE_OPTIONS},
+        "data file": _file_sha256(data.path),
+        "validation file": _file_sha256(valid.path) if valid is not None else None,
+        "resumed from": {"step": position.step, "epoch": position.epoch,
+                         "offset": position.offset, "elapsed_s": position.elapsed_seconds},
+    }
+
+
+def _file_sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _same_on_every_rank(processes: Processes, prepare: Callable, facts: Callable):
+    """`prepare()` on every rank, then each rank's `facts(prepared)` compared with rank 0's: a
+    rank that failed or differs stops every rank with an error naming it (a rank that stopped
+    alone would leave the others waiting for it until --dist-timeout)."""
+    if not processes.distributed:
+        return prepare()
+    import torch.distributed as dist
+
+    prepared, report = None, {"host": socket.gethostname()}
+    try:
+        prepared = prepare()
+        report["facts"] = facts(prepared)
+    except AttnError as error:
+        report["error"] = str(error)
+    reports: list = [None] * processes.world_size
+    dist.all_gather_object(reports, report)
+    problem = rank_disagreement(reports)
+    if problem:
+        raise AttnError(problem)
+    return prepared
+
+
+def rank_disagreement(reports: list[dict]) -> str | None:
+    """The first rank that failed, or whose facts differ from rank 0's, and how (None: they all
+    agree). `reports[r]`: rank r's {"host", and "facts" or "error"}."""
+    for rank, report in enumerate(reports):
+        if "error" in report:
+            return f"rank {rank} (on {report['host']}): {report['error']}"
+    reference = reports[0]["facts"]
+    for rank, report in enumerate(reports[1:], start=1):
+        for name, theirs in reference.items():
+            mine = report["facts"].get(name)
+            if mine == theirs:
+                continue
+            if isinstance(theirs, dict) and isinstance(mine, dict):
+                key = next(key for key in sorted(set(theirs) | set(mine))
+                           if theirs.get(key) != mine.get(key))
+                what = f"{name}: {key} is {mine.get(key)!r} where rank 0 has {theirs.get(key)!r}"
+            elif isinstance(theirs, str) or isinstance(mine, str):
+                what = (f"its {name} differs from rank 0's (sha256 {str(mine)[:16]} against "
+                        f"{str(theirs)[:16]})")
+            else:
+                what = f"{name}: {mine!r} where rank 0 has {theirs!r}"
+            return (f"rank {rank} (on {report['host']}) does not match rank 0: {what}; every "
+                    "process must run the same command on the same files")
+    return None
 
 
 def _step(run: _Run, step: int, votes: Callable[[], list[float]]):
@@ -687,7 +881,9 @@ def _save(run_dir: Path, step: int, run: _Run, elapsed: float) -> Path | None:
                                     elapsed_seconds=elapsed, options=run.options.record(),
                                     adam={},
                                     scaler=run.scaler.state_dict() if run.scaler.is_enabled()
-                                    else {}, schedule_offset=run.schedule_offset)
+                                    else {}, schedule_offset=run.schedule_offset,
+                                    batch_plan=run.plan.record(),
+                                    earlier_budgets=run.stream.earlier_budgets)
     tgt_vocab = None if run.data.shared_vocab else run.data.tgt_vocab
     path = checkpoints.save_checkpoint(run_dir, step, run.model, run.optimizer, state,
                                        run.data.src_vocab, tgt_vocab,
