@@ -20,7 +20,15 @@ import typer
 from . import __version__
 from .config import PRESETS
 from .files import AttnError
-from .formats import BATCH_TOKENS, BUFFER_SIZE, PARSING, TRANSLATION, VALID_METRICS, Stop
+from .formats import (
+    BATCH_TOKENS,
+    BUFFER_SIZE,
+    COMPOUND_SPLIT,
+    PARSING,
+    TRANSLATION,
+    VALID_METRICS,
+    Stop,
+)
 from .scoring import TOKENIZERS
 from .trees import TERMINALS
 
@@ -76,7 +84,7 @@ TreeTerminals = _choices("TreeTerminals", TERMINALS)
 ModelTerminals = _choices("ModelTerminals", ("auto", *TERMINALS))
 WordScores = _choices("WordScores", ("given", "joint"))  # TreeConstraint's (a torch module)
 OutputFormat = _choices("OutputFormat", ("text", "json"))
-Tokenizer = _choices("Tokenizer", TOKENIZERS)
+Tokenizer = _choices("Tokenizer", (*TOKENIZERS, COMPOUND_SPLIT))
 ValidMetric = _choices("ValidMetric", VALID_METRICS)
 
 
@@ -455,9 +463,12 @@ def score(
                                                     "log-probs (-m again: an ensemble)."),
     metrics: str = typer.Option("bleu,chrf", "--metrics", help="Comma-separated: bleu, chrf, "
                                 "ter."),
-    tokenize: Tokenizer = typer.Option(Tokenizer("13a"), "--tokenize", help="BLEU tokenizer, "
-                                       "sacreBLEU's: 13a (its default), intl (the paper's "
-                                       "tensor2tensor-style tokenized BLEU), and others."),
+    tokenize: Tokenizer = typer.Option(Tokenizer("13a"), "--tokenize", help="BLEU tokenizer: "
+                                       "sacreBLEU's 13a (its default), intl (international "
+                                       "tokenization) and others, or compound-split: the "
+                                       "paper's tokenized BLEU (Moses-style words, hyphenated "
+                                       "compounds split as ##AT##-##AT##, tensor2tensor's "
+                                       "get_ende_bleu), comparable with its Table 2."),
     lowercase: bool = typer.Option(False, "--lowercase", help="Case-insensitive scores."),
     sentence_level: bool = typer.Option(False, "--sentence-level",
                                         help="One score per line (the first metric)."),
@@ -518,18 +529,30 @@ def _json_line(value) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def _sacrebleu_tokenizer(tokenize: str) -> str:
+    """compound-split tokenizes BLEU only (compound_bleu.py); chrF and TER take none."""
+    return "13a" if tokenize == COMPOUND_SPLIT else tokenize
+
+
 def _score_text(hypothesis_path: str, ref: str, names: list[str], tokenize: str,
                 lowercase: bool, sentence_level: bool, strict: bool, as_json: bool) -> None:
-    from . import scoring
+    from . import compound_bleu, scoring
 
     hypotheses, references, bad_line = scoring.read_parallel(hypothesis_path, ref,
                                                              _utf8_policy(strict))
     if sentence_level:
-        scores = scoring.sentence_scores(hypotheses, references, names[0], tokenize, lowercase)
+        scores = (compound_bleu.sentence_bleu(hypotheses, references, lowercase)
+                  if tokenize == COMPOUND_SPLIT and names[0] == "bleu" else
+                  scoring.sentence_scores(hypotheses, references, names[0],
+                                          _sacrebleu_tokenizer(tokenize), lowercase))
         _write_lines(_json_line({"line": number, names[0]: round(value, 4)}) if as_json
                      else f"{value:.4f}" for number, value in enumerate(scores, start=1))
     elif bad_line is None:
-        results = scoring.text_scores(hypotheses, references, names, tokenize, lowercase)
+        results = [compound_bleu.corpus_bleu(hypotheses, references, lowercase)
+                   if tokenize == COMPOUND_SPLIT and name == "bleu" else
+                   scoring.text_scores(hypotheses, references, [name],
+                                       _sacrebleu_tokenizer(tokenize), lowercase)[0]
+                   for name in names]
         _write_lines([_json_line({r.name: {"score": round(r.score, 4), "signature": r.signature,
                                             "text": r.text} for r in results})] if as_json
                      else [result.line() for result in results])

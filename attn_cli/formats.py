@@ -68,6 +68,10 @@ def adam_tensor(moment: str, parameter: str) -> str:
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
+# `attn score --tokenize compound-split`: the paper's tokenized BLEU, hyphenated compounds split
+# (compound_bleu.py), offered beside sacreBLEU's tokenizers.
+COMPOUND_SPLIT = "compound-split"
+
 # ------------------------------------------------------------------------------- run directory
 
 METRICS_FILE = "metrics.jsonl"
