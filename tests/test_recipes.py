@@ -3,6 +3,7 @@ it uses, so the recipes cannot rot while the command line changes."""
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -78,15 +79,83 @@ def test_recipe_commands_exist(recipe, targets, expected, sample_treebank):
 def test_wmt_recipes_follow_the_paper():
     text = " ".join(dry_run("wmt14-en-de", "base", "big"))
     assert "--size 37000" in text and "--batch-tokens 25000" in text
+    assert "--sample 4000000" in text  # the vocabulary learned from a sample of lines
     assert "--preset base" in text and "--max-steps 100000" in text
     assert "--preset big" in text and "--max-steps 300000" in text
-    assert "--save-every 10m" in text
+    # the paper's checkpoint every 10 minutes, as steps: 0.4 s a base step, 1.0 s a big one
+    assert "--save-every 1500 --keep 5" in text and "--save-every 600 --keep 20" in text
     assert "--last 5" in text and "--last 20" in text
     assert "--beam 4 --alpha 0.6 --max-len-a 1 --max-len-b 50" in text
-    assert "--tokenize intl" in text and "sacrebleu -t wmt14/full -l en-de" in text
+    assert "sacrebleu -t wmt14/full -l en-de" in text
+    for score in ("--metrics bleu,chrf >", "--metrics bleu --tokenize intl >>",
+                  "--metrics bleu --tokenize compound-split >>"):  # 13a, intl, the paper's
+        assert text.count(score) == 2, score  # base and big
     assert "torchrun" in text and "--nproc-per-node 8" in text
     french = " ".join(dry_run("wmt14-en-fr", "big"))
     assert "--size 32000" in french and "--preset big-enfr" in french
+    assert "--tokenize compound-split" in french
+
+
+# The WMT archives fairseq's prepare-wmt14en2{de,fr}.sh and tensor2tensor fetch: their size and
+# SHA-256 (as tensorflow-datasets records them), and the corpora inside them (without the
+# .LANG suffix).
+WMT_ARCHIVES = {
+    "http://www.statmt.org/wmt13/training-parallel-europarl-v7.tgz": (
+        657632379, "0224c7c710c8a063dfd893b0cc0830202d61f4c75c17eb8e31836103d27d96e7",
+        {"training/europarl-v7.de-en", "training/europarl-v7.fr-en"}),
+    "http://www.statmt.org/wmt13/training-parallel-commoncrawl.tgz": (
+        918311367, "c7a74e2ea01ac6c920123108627e35278d4ccb5701e15428ffa34de86fa3a9e5",
+        {"commoncrawl.de-en", "commoncrawl.fr-en"}),
+    "http://www.statmt.org/wmt14/training-parallel-nc-v9.tgz": (
+        80418416, "cb8953f292298e6877ae433c98912b927cb0766b303f4540512ddd286c748485",
+        {"training/news-commentary-v9.de-en", "training/news-commentary-v9.fr-en"}),
+    "http://www.statmt.org/wmt13/training-parallel-un.tgz": (
+        2365634246, "29141b5c1eba149a94f7a59d3b1a834b2e47fe0f8758d68dcd77a3d3f497ee47",
+        {"un/undoc.2000.fr-en"}),
+    "http://www.statmt.org/wmt10/training-giga-fren.tar": (
+        2595102720, "3ff8319f6919393520559bfbc7ad6a747ec81b3abc7be9993b338d4b017b4d9a",
+        {"giga-fren.release2.fixed"}),
+}
+
+
+@pytest.mark.parametrize("recipe,src,tgt,corpora", [
+    ("wmt14-en-de", "en", "de", 3),
+    ("wmt14-en-fr", "en", "fr", 5),
+])
+def test_wmt_recipes_read_what_they_download(recipe, src, tgt, corpora):
+    """Every archive is fetched resumably, checked by size and SHA-256, and extracted; every
+    training file read comes out of an archive fetched (the europarl-v7 text is the WMT13
+    repackage's training/ layout, not the Europarl site's de-en.tgz), and the two sides list
+    the same corpora in the same order."""
+    lines = dry_run(recipe, "base")
+    download = "/nonexistent-work/download"
+    fetched = {}
+    for line in lines:
+        match = re.search(r"wget (.*) (http\S+)$", line)
+        if match:
+            assert "-c" in match.group(1).split(), line  # a cut download resumes
+            fetched[match.group(2)] = f"{download}/{match.group(2).rsplit('/', 1)[1]}"
+    assert len(fetched) == corpora and set(fetched) <= set(WMT_ARCHIVES)
+    text = "\n".join(lines)
+    members = set()
+    for url, archive in fetched.items():
+        size, sha256, inside = WMT_ARCHIVES[url]
+        assert f'test "$(stat -c %s {archive})" = "{size}"' in text
+        assert f'echo "{sha256}  {archive}" | sha256sum -c' in text
+        assert f"tar -xf {archive} -C {download}" in text
+        members |= inside
+    read = {}
+    for side in (src, tgt):
+        (cat,) = [line for line in lines
+                  if line.startswith("cat ") and line.endswith(f"> /nonexistent-work/train.{side}")]
+        files = cat.split(">")[0].split()[1:]
+        assert all(path.startswith(f"{download}/") and path.endswith(f".{side}")
+                   for path in files), files
+        read[side] = [path[len(download) + 1:-len(side) - 1] for path in files]
+        for path in files:
+            assert f"test -s {path}" in text  # looked for once extracted
+    assert read[src] == read[tgt] and len(read[src]) == corpora
+    assert set(read[src]) <= members, set(read[src]) - members
 
 
 def test_parse_recipe_splits_the_sample(sample_treebank):
