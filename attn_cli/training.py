@@ -4,9 +4,10 @@ tokens per step over all processes, and checkpoints every 10 minutes.
 
 Reproducibility is by construction, so that 1 process equals N processes and a resumed run equals
 an uninterrupted one:
-- the sequence of micro-batches is a function of (seed, epoch) alone, whatever the world size;
-  step s consumes the next `accumulation × world_size` micro-batches, rank r takes every
-  world_size-th of them;
+- the sequence of micro-batches is a function of (seed, epoch) and their token budget alone,
+  whatever the world size; step s consumes the next `accumulation × world_size` micro-batches,
+  rank r takes every world_size-th of them; the budget is the global batch shared out evenly,
+  so the global batch is the same on any number of processes (BatchPlan);
 - each step's loss is normalised by the step's global target-token count, which every rank
   computes from the lengths without communicating;
 - dropout is seeded from (seed, step, the micro-batch's place in the step), whichever process
