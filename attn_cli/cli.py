@@ -487,6 +487,10 @@ def score(
                                    "sentences (words that differ from the gold tree's) "
                                    "reported and left out before it is an error (EVALB's "
                                    "MAX_ERROR)."),
+    by_length: Optional[str] = typer.Option(None, "--by-length", metavar="EDGES",
+                                            help="With --trees: also a summary per length "
+                                            "bucket, cut at these words (10,20,30,40: len1-10 "
+                                            "... len>40)."),
     strict: StrictOption = False,
 ) -> None:
     """Evaluate: sacreBLEU BLEU/chrF/TER with signatures, force-decoding perplexity, or EVALB
@@ -497,7 +501,9 @@ def score(
         if ref is None or len(files) > 1:
             raise AttnError("score --trees takes --ref GOLD and one file of trees (or stdin)")
         _score_trees(ref, files[0] if files else "-", sentence_level, max_errors, strict,
-                     as_json)
+                     as_json, _length_edges(by_length))
+    elif by_length is not None:
+        raise AttnError("--by-length goes with --trees")
     elif model_path:
         if len(files) != 2:
             raise AttnError("score -m MODEL takes two files: SRC TGT")
@@ -586,8 +592,22 @@ def _score_with_model(model_paths: list[Path], src: str, tgt: str, device: str, 
         f"{scoring.perplexity(results):.4f} in {time.perf_counter() - started:.1f}s")
 
 
+def _length_edges(text: str | None) -> tuple[int, ...]:
+    """--by-length 10,20,40 as (10, 20, 40), checked."""
+    from .scoring import length_buckets
+
+    if text is None:
+        return ()
+    try:
+        edges = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise AttnError(f"--by-length takes word counts such as 10,20,40, not {text!r}") from None
+    length_buckets(edges)
+    return edges
+
+
 def _score_trees(gold: str, test: str, sentence_level: bool, max_errors: int, strict: bool,
-                 as_json: bool) -> None:
+                 as_json: bool, length_edges: tuple[int, ...] = ()) -> None:
     from . import scoring
 
     sentences = []
@@ -599,7 +619,7 @@ def _score_trees(gold: str, test: str, sentence_level: bool, max_errors: int, st
                 yield (_json_line(scoring.tree_sentence_json(sentence)) if as_json
                        else scoring.tree_sentence_line(sentence))
         if not sentence_level:
-            totals = scoring.tree_totals(sentences)
+            totals = scoring.tree_totals(sentences, length_edges)
             if as_json:
                 yield _json_line({label: scoring.tree_counts_json(counts)
                                   for label, counts in totals.items()})
@@ -662,11 +682,12 @@ def parse(
                                  threads=threads, workers=workers, warn=log, alpha=alpha,
                                  max_len_a=max_len_a, max_len_b=max_len_b,
                                  batch_tokens=batch_tokens, buffer_size=buffer_size)
-    kind = model_terminals(translator.loaded) if terminals == ModelTerminals.auto \
+    loaded = translator.loaded
+    kind = model_terminals(loaded.tgt_vocab) if terminals == ModelTerminals.auto \
         else terminals.value
     if constrain:
-        translator.constraint_for = tree_constraint_for(translator.loaded, kind,
-                                                        score_words.value)
+        translator.constraint_for = tree_constraint_for(loaded.tgt_vocab, loaded.config.eos_id,
+                                                        kind, score_words.value)
     stats = _stream(translator, input_path, strict, render=lambda index, line, hypotheses: [
         tree_line(translator, line, hypotheses)])
     log(f"parse: {stats.summary()}")

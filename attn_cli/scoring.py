@@ -199,14 +199,38 @@ def tree_scores(gold_path: str, test_path: str, max_errors: int = MAX_ERRORS,
              f"{', '.join(map(str, error_lines))}")
 
 
-def tree_totals(sentences: list[TreeSentence]) -> dict[str, BracketCounts]:
-    """EVALB's two summaries: every sentence, and those of at most 40 words."""
+def tree_totals(sentences: list[TreeSentence],
+                length_edges: tuple[int, ...] = ()) -> dict[str, BracketCounts]:
+    """EVALB's two summaries: every sentence, and those of at most 40 words; then, for
+    `length_edges` (10, 20, 40, say), one per length bucket: len1-10, len11-20, len21-40 and
+    len>40 (gold words, traces not counted, as EVALB's cut-off counts them)."""
     totals = {"all": BracketCounts(), f"len<={CUTOFF_LENGTH}": BracketCounts()}
+    buckets = length_buckets(length_edges)
+    totals.update((label, BracketCounts()) for label, _, _ in buckets)
     for sentence in sentences:
         totals["all"].add(sentence.counts)
         if sentence.gold_length <= CUTOFF_LENGTH:
             totals[f"len<={CUTOFF_LENGTH}"].add(sentence.counts)
+        for label, low, high in buckets:
+            if low <= sentence.gold_length <= high:
+                totals[label].add(sentence.counts)
     return totals
+
+
+def length_buckets(edges: tuple[int, ...]) -> list[tuple[str, int, float]]:
+    """(label, fewest words, most words) of the buckets that `edges` (ascending upper bounds)
+    cut sentence lengths into, the last one open: (10, 20) → len1-10, len11-20, len>20."""
+    if not edges:
+        return []
+    if any(edge < 1 for edge in edges) or list(edges) != sorted(set(edges)):
+        raise AttnError(f"length buckets need ascending positive edges, not "
+                        f"{','.join(map(str, edges))}")
+    buckets, low = [], 0
+    for edge in edges:
+        buckets.append((f"len{low + 1}-{edge}", low + 1, edge))
+        low = edge
+    buckets.append((f"len>{low}", low + 1, math.inf))
+    return buckets
 
 
 def score_tree_line(gold, line: str, where: str):

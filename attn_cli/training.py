@@ -212,8 +212,14 @@ def start_processes(device_option: str, timeout_minutes: float) -> Processes:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     else:
+        # The cores this process may run on (not the machine's) shared out among a node's
+        # processes. A single process keeps OMP_NUM_THREADS when it is set (torch has read it);
+        # under torchrun it is not the user's word: torchrun sets it to 1 unless told otherwise.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        if world_size > 1 or "OMP_NUM_THREADS" not in os.environ:
+            cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                     else os.cpu_count() or 1)
+            torch.set_num_threads(max(1, cores // local_world))
     if world_size > 1:
         import torch.distributed as dist
 

@@ -11,30 +11,31 @@ from torch import Tensor
 from .trees import PLACEHOLDER, terminal_word
 
 
-def model_terminals(loaded) -> str:
+def model_terminals(tgt_vocab) -> str:
     """How the parser's training trees spelled their terminals: a model trained on placeholders
-    has the placeholder as one piece of its vocabulary (a bracket symbol of `attn vocab
-    --symbols`); one trained on words does not."""
-    processor = loaded.tgt_vocab.processor
+    has the placeholder as one piece of its (target) vocabulary (a bracket symbol of `attn
+    vocab --symbols`); one trained on words does not."""
+    processor = tgt_vocab.processor
     placeholder = processor.piece_to_id("\u2581" + PLACEHOLDER)
     return "placeholders" if placeholder != processor.unk_id() else "words"
 
 
-def tree_constraint_for(loaded, terminals: str, score_words: str = "given"):
-    """A function making the search constraint of `attn parse --constrain` for a batch: with
-    placeholder terminals, as many placeholders as words; with word terminals, exactly the
-    input's pieces, in order, scored as `score_words` says (see `TreeConstraint`)."""
-    processor = loaded.tgt_vocab.processor
+def tree_constraint_for(tgt_vocab, eos_id: int, terminals: str, score_words: str = "given"):
+    """A function making the search constraint of `attn parse --constrain` for a batch of
+    sentences (raw lines): with placeholder terminals, as many placeholders as words; with word
+    terminals, exactly the input's pieces, in order, scored as `score_words` says (see
+    `TreeConstraint`)."""
+    processor = tgt_vocab.processor
     pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
     placeholder = PLACEHOLDER if terminals == "placeholders" else None
-    template = TreeConstraint.for_pieces(pieces, loaded.config.eos_id, [],
-                                         placeholder=placeholder, score_words=score_words)
+    template = TreeConstraint.for_pieces(pieces, eos_id, [], placeholder=placeholder,
+                                         score_words=score_words)
 
     def make(lines: list[str]) -> TreeConstraint:
         if placeholder is not None:
             return template.for_batch([len(line.split()) for line in lines])
         spelled = [" ".join(terminal_word(word) for word in line.split()) for line in lines]
-        required = loaded.tgt_vocab.encode(spelled)
+        required = tgt_vocab.encode(spelled)
         return template.for_batch([len(ids) for ids in required], required)
     return make
 

@@ -68,6 +68,7 @@ class Validator:
         from .translate import pad_sequences, token_budget_batches
 
         settings = PARSING if self.metric == "f1" else TRANSLATION
+        constraint_for = self._tree_constraint(model) if self.metric == "f1" else None
         device = next(model.parameters()).device
         learned = model.config.positions == "learned"
         output: list[list[int]] = [[] for _ in self.sources]
@@ -78,14 +79,26 @@ class Validator:
             for batch in token_budget_batches(lengths, max(1, self.batch_tokens // self.beam)):
                 src = pad_sequences([self.sources[i] for i in batch],
                                     model.config.pad_id).to(device)
+                constraint = constraint_for([" ".join(self.words[i]) for i in batch]) \
+                    if constraint_for else None
                 found = beam_search(model, src, beam=self.beam, alpha=settings.alpha,
                                     max_len_a=settings.max_len_a, max_len_b=settings.max_len_b,
-                                    longest=model.config.max_positions - 1 if learned else None)
+                                    longest=model.config.max_positions - 1 if learned else None,
+                                    constraint=constraint)
                 for index, hypotheses in zip(batch, found):
                     output[index] = hypotheses[0].tokens
         finally:
             model.train(was_training)
         return self.tgt_vocab.decode(output)
+
+    def _tree_constraint(self, model: torch.nn.Module):
+        """Parsers are validated as the recipes parse, `attn parse --constrain`: well-formed
+        trees over exactly the sentence's words. It also bounds each output by its words, where
+        a half-trained parser's free search runs on to the length limit (|x| + 300)."""
+        from .tree_search import model_terminals, tree_constraint_for
+
+        return tree_constraint_for(self.tgt_vocab, model.config.eos_id,
+                                   model_terminals(self.tgt_vocab))
 
     def score(self, model: torch.nn.Module) -> float:
         return self.score_texts(self.hypotheses(model))

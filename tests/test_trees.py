@@ -276,6 +276,31 @@ def test_score_trees_length_cutoff_counts_punctuation_not_traces(tmp_path):
     assert "F1 100.00" in every and "F1 100.00" in short
 
 
+def test_score_trees_by_length_buckets_sum_to_the_whole(tmp_path):
+    """--by-length 2,4: len1-2, len3-4, len>4 by gold words (punctuation counted, traces not),
+    each bucket EVALB's sums over its sentences; bad edges are a clean error."""
+    gold = tmp_path / "gold.mrg"
+    gold.write_text("(TOP (S (NP (NN a)) (VP (VB b))))\n"
+                    "(TOP (S (NP (NN a) (NN b)) (VP (VB c) (NP (-NONE- *))) (. .)))\n"
+                    "(TOP (S (NP (NN a) (NN b)) (VP (VB c) (NP (NN d) (NN e)))))\n",
+                    encoding="utf-8")
+    test = ("(TOP (S (NP (XX a)) (VP (XX b))))\n"  # 2 words: all 3 brackets right
+            "(TOP (S (XX a) (NP (XX b) (XX c)) (XX .)))\n"  # 4: S right, NP wrong, VP missed
+            "(TOP (S (NP (XX a) (XX b)) (VP (XX c) (NP (XX d) (XX e)))))\n")  # 5: all right
+    result = run_attn("score", "--trees", "--ref", gold, "--by-length", "2,4", stdin=test)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split("|")[2]: line for line in result.stdout.splitlines()}
+    assert list(rows) == ["all", "len<=40", "len1-2", "len3-4", "len>4"]
+    assert "sentences:1|" in rows["len1-2"] and "F1 100.00" in rows["len1-2"]
+    assert "sentences:1|" in rows["len3-4"] and "F1 40.00 P 50.00 R 33.33" in rows["len3-4"]
+    assert "sentences:1|" in rows["len>4"] and "F1 100.00" in rows["len>4"]
+    for bad in ("4,2", "0,3", "2,x"):
+        assert_clean_error(run_attn("score", "--trees", "--ref", gold, "--by-length", bad,
+                                    stdin=test), "--by-length" if bad == "2,x" else "edges")
+    assert_clean_error(run_attn("score", "--ref", gold, "--by-length", "2", stdin=test),
+                       "--trees")
+
+
 def tags_to_placeholders(tree: Tree) -> Tree:
     """The tree with each POS tag but -NONE- replaced by the placeholder."""
     if tree.is_preterminal:
