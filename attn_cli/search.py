@@ -108,14 +108,20 @@ class Constraint(Protocol):
 
     def start(self, batch: int, beam: int, device) -> Any: ...
 
-    def rescore(self, log_probs: Tensor, state: Any, active: Tensor) -> Tensor:
-        """(B', K, V) log-probabilities as the constraint scores them."""
+    eos_column: int  # where EOS is among the candidates' columns
 
-    def allowed(self, state: Any, active: Tensor, steps_left: Tensor) -> Tensor:
-        """(B', K, V) True where a token may come next."""
+    def candidates(self, log_probs: Tensor, state: Any, active: Tensor,
+                   steps_left: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Of the (B', K, V) log-probabilities, the only tokens that may ever come next: their
+        scores as the constraint scores them, whether each may come next, and their token ids,
+        each (B', K, C)."""
 
     def advance(self, state: Any, origin: Tensor, tokens: Tensor) -> Any:
         """The state of each candidate: beam `origin` (B', C) extended by `tokens` (B', C)."""
+
+    def longest(self, state: Any, chosen: Tensor, active: Tensor, length: int) -> Tensor:
+        """(B',) the longest output, EOS included, that the candidates `chosen` (B', K), each
+        `length` tokens so far, can still grow into: a bound for the early stop."""
 
     def select(self, state: Any, chosen: Tensor, kept: Tensor | None) -> Any:
         """The state of the candidates `chosen` (B', K) of each sentence, then of the sentences
@@ -158,19 +164,27 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
         log_probs = torch.log_softmax(logits.float(), dim=-1).view(*live.scores.shape, -1)
         log_probs[..., banned] = -math.inf  # never chosen, but not renormalised away
         limit = limits[live.active]  # (B',)
-        if constraint is not None:
-            log_probs = constraint.rescore(log_probs, state, live.active)
-            allowed = constraint.allowed(state, live.active, limit - step - 1)
+        eos = config.eos_id
+        if constraint is not None:  # rank only the tokens that may come next
+            log_probs, allowed, columns = constraint.candidates(log_probs, state, live.active,
+                                                                limit - step - 1)
             log_probs.masked_fill_(~(allowed | (limit <= step + 1).view(-1, 1, 1)), -math.inf)
-        only_eos_at_limit(log_probs, limit <= step + 1, config.eos_id)
+            eos = constraint.eos_column
+        only_eos_at_limit(log_probs, limit <= step + 1, eos)
         best, origin, tokens = topk_over_beams(live.scores, log_probs, 2 * beam)
+        if constraint is not None:  # columns → token ids
+            tokens = columns.flatten(1).gather(1, origin * columns.shape[-1] + tokens)
         if constraint is not None:
             state = constraint.advance(state, origin, tokens)
         ends = tokens == config.eos_id  # (B', 2K)
         finished.collect(best, origin, ends, live, beam, length_penalty(step + 1, alpha))
         chosen = first_not_ending(ends, beam)  # (B', K)
         scores = best.gather(1, chosen)
-        done = sentences_done(scores, finished.kth_best[live.active], limit, alpha, beam,
+        longest = limit
+        if constraint is not None:  # the early stop's bound, as tight as the constraint allows
+            longest = torch.minimum(limit, constraint.longest(state, chosen, live.active,
+                                                              step + 1))
+        done = sentences_done(scores, finished.kth_best[live.active], longest, alpha, beam,
                               stop, finished.best_ended[live.active])
         kept = (~done).nonzero().squeeze(1) if done.any() else None
         if kept is not None and len(kept) == 0:

@@ -108,36 +108,55 @@ class TreeConstraint:
     def start(self, batch: int, beam: int, device) -> tuple[Tensor, Tensor, Tensor]:
         self.piece_classes = self.piece_classes.to(device)
         self.word_count_of = torch.tensor(self.word_counts, dtype=torch.long, device=device)
+        # The columns a step ranks: the brackets and EOS, and the placeholder terminals; with
+        # word terminals the sentence's next piece is one more column of each row's own. Every
+        # other piece is never allowed, so the search ranks ~50 columns, not the vocabulary.
+        kinds = [self.OPEN, self.CLOSE, self.END] + (
+            [self.TERMINAL] if self.required is None else [])
+        self.columns = torch.isin(self.piece_classes, torch.tensor(kinds, device=device)
+                                  ).nonzero().squeeze(1)  # (F,)
+        self.column_classes = self.piece_classes[self.columns]
+        self.eos_column = int((self.column_classes == self.END).nonzero()[0])
         if self.required is not None:
             self.required = self.required.to(device)
             self.boundary = self.boundary.to(device)
-        if self.piece_starts_word is not None:  # the pieces `rescore` sums over
+            # the pieces that start a word, which "given" sums over
             self.word_starts = ((self.piece_classes == self.TERMINAL)
-                                & self.piece_starts_word.to(device))
+                                & self.piece_starts_word.to(device)).nonzero().squeeze(1)
         zeros = torch.zeros(batch, beam, dtype=torch.long, device=device)
         return zeros, zeros.clone(), zeros.clone()
 
-    def rescore(self, log_probs: Tensor, state: tuple[Tensor, Tensor, Tensor],
-                active: Tensor) -> Tensor:
-        """(B', K, V) log-probabilities with the next input piece scored as `score_words` says
-        (in place; unchanged for placeholder terminals or "joint")."""
-        if self.required is None or self.score_words == "joint":
-            return log_probs
+    def candidates(self, log_probs: Tensor, state: tuple[Tensor, Tensor, Tensor],
+                   active: Tensor, steps_left: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The tokens that may come next, of the (B', K, V) log-probabilities of the live
+        hypotheses: (their scores, whether each is allowed, their token ids), each (B', K, C).
+        `active` (B'): the sentence of each row; `steps_left` (B',): the tokens that may still
+        follow this one (every choice must leave room to place the missing terminals, close the
+        open brackets and end). The sentence's next piece is scored as `score_words` says."""
+        by_class = self.allowed_classes(state, active, steps_left)  # (B', K, classes)
+        scores = log_probs.index_select(-1, self.columns)  # (B', K, F)
+        allowed = by_class[..., self.column_classes]
+        tokens = self.columns.expand(*scores.shape)
+        if self.required is None:
+            return scores, allowed, tokens
         placed = state[0].clamp(max=self.required.shape[1] - 1)  # (B', K)
-        next_piece = self.required[active].gather(1, placed).unsqueeze(-1)
-        starts = self.boundary[active].gather(1, placed)
-        any_word = torch.logsumexp(log_probs[..., self.word_starts], dim=-1)  # (B', K)
-        given = torch.where(starts, any_word, torch.zeros_like(any_word)).unsqueeze(-1)
-        # Past the last word the "next piece" is padding: it keeps its own (banned) score.
-        missing = (state[0] < self.word_count_of[active].unsqueeze(-1)).unsqueeze(-1)
-        given = torch.where(missing, given, log_probs.gather(-1, next_piece))
-        return log_probs.scatter_(-1, next_piece, given)
+        next_piece = self.required[active].gather(1, placed).unsqueeze(-1)  # (B', K, 1)
+        piece_score = log_probs.gather(-1, next_piece)
+        if self.score_words == "given":
+            starts = self.boundary[active].gather(1, placed)
+            any_word = torch.logsumexp(log_probs.index_select(-1, self.word_starts), dim=-1)
+            given = torch.where(starts, any_word, torch.zeros_like(any_word)).unsqueeze(-1)
+            # Past the last word the "next piece" is padding: it keeps its own (banned) score.
+            missing = (state[0] < self.word_count_of[active].unsqueeze(-1)).unsqueeze(-1)
+            piece_score = torch.where(missing, given, piece_score)
+        return (torch.cat([scores, piece_score], dim=-1),
+                torch.cat([allowed, by_class[..., self.TERMINAL, None]], dim=-1),
+                torch.cat([tokens, next_piece], dim=-1))
 
-    def allowed(self, state: tuple[Tensor, Tensor, Tensor], active: Tensor,
-                steps_left: Tensor) -> Tensor:
-        """(B', K, V) True where a token may come next. `active` (B'): the sentence of each
-        row; `steps_left` (B',): the tokens that may still follow this one; every choice must
-        leave room to place the missing terminals, close the open brackets and end."""
+    def allowed_classes(self, state: tuple[Tensor, Tensor, Tensor], active: Tensor,
+                        steps_left: Tensor) -> Tensor:
+        """(B', K, classes) True where a token of that class may come next (see
+        `candidates`)."""
         placed, depth, opened = state  # (B', K); opened: opening brackets since the last token
         words = self.word_count_of[active].unsqueeze(-1)
         missing = words - placed
@@ -156,16 +175,8 @@ class TreeConstraint:
             (missing <= 0) & (depth == 0),  # the end
         ], dim=-1)  # (B', K, classes)
         stuck = ~by_class.any(dim=-1, keepdim=True)  # out of room: let the repair cope
-        by_class = by_class | (stuck & torch.tensor([False, True, False, True, True],
-                                                    device=depth.device))
-        allowed = by_class[..., self.piece_classes]  # (B', K, V)
-        if self.required is not None:  # of the terminals, only the sentence's next piece
-            next_piece = self.required[active].gather(1, placed.clamp(
-                max=self.required.shape[1] - 1))  # (B', K)
-            allowed &= self.piece_classes != self.TERMINAL
-            allowed.scatter_(-1, next_piece.unsqueeze(-1),
-                             by_class[..., self.TERMINAL].unsqueeze(-1))
-        return allowed
+        return by_class | (stuck & torch.tensor([False, True, False, True, True],
+                                                device=depth.device))
 
     def advance(self, state: tuple[Tensor, Tensor, Tensor], origin: Tensor,
                 tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -176,6 +187,19 @@ class TreeConstraint:
         return (placed + (kind == self.TERMINAL).long(),
                 depth + opening.long() - (kind == self.CLOSE).long(),
                 torch.where(opening, opened + 1, 0))
+
+    def longest(self, state: tuple[Tensor, Tensor, Tensor], chosen: Tensor, active: Tensor,
+                length: int) -> Tensor:
+        """(B',) the most tokens, EOS included, that any of the candidates `chosen` (B', K) of
+        length `length` can still end with: every missing terminal, at most MAX_OPEN_RUN
+        opening brackets before each, a closing one for each of those and each still open, and
+        the EOS. (A closing bracket never follows an opening one, so each gap between two
+        terminals holds closings, then at most MAX_OPEN_RUN openings.) Far tighter than the
+        search's length limit near the end of a sentence, which lets its exact early stop come
+        as soon as no live tree can still beat the finished ones."""
+        placed, depth, _ = (part.gather(1, chosen) for part in state)
+        missing = (self.word_count_of[active].unsqueeze(-1) - placed).clamp(min=0)
+        return (length + missing * (1 + 2 * self.MAX_OPEN_RUN) + depth + 1).amax(dim=1)
 
     def select(self, state: tuple[Tensor, Tensor, Tensor], chosen: Tensor,
                kept: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:

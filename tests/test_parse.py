@@ -3,12 +3,13 @@ parse → score --trees, with placeholder terminals (the paper's setup) and word
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
 import torch
 
-from attn_cli.search import beam_search
+from attn_cli.search import Stop, beam_search
 from attn_cli.tree_search import TreeConstraint
 from attn_cli.trees import Tree, delinearize, linearize, read_trees
 
@@ -113,7 +114,8 @@ def test_word_constraint_forces_the_input_pieces_in_order():
 
 def test_given_words_are_scored_as_any_word_at_their_place():
     """--score-words given: a word's first piece scores log Σ p(piece) over the pieces that
-    start a word; its other pieces score 0; brackets and EOS keep the model's scores."""
+    start a word; its other pieces score 0; brackets and EOS keep the model's scores. The
+    candidates are the brackets, EOS and the sentence's next piece, nothing else."""
     pieces = ["<pad>", "<unk>", "<s>", "</s>", "\u2581(S", "\u2581)S", "\u2581the", "\u2581s",
               "leeps"]
     required = [[6, 7, 8]]
@@ -121,23 +123,59 @@ def test_given_words_are_scored_as_any_word_at_their_place():
         ).manual_seed(3)), dim=-1)
     placed = torch.tensor([[0, 2]])  # the first beam is before "▁the", the second inside "sleeps"
     state = (placed, torch.zeros_like(placed), torch.zeros_like(placed))
+    active, room = torch.tensor([0]), torch.tensor([10])
     for score_words in ("given", "joint"):
         constraint = TreeConstraint.for_pieces(pieces, eos_id=3, word_counts=[3],
                                                placeholder=None, required=required,
                                                score_words=score_words)
         constraint.start(1, 2, "cpu")
-        scored = constraint.rescore(log_probs.clone(), state, torch.tensor([0]))
+        scored, allowed, tokens = constraint.candidates(log_probs.clone(), state, active, room)
+        assert tokens.tolist() == [[[3, 4, 5, 6], [3, 4, 5, 8]]]
+        assert tokens[0, 0, constraint.eos_column] == 3
+        # brackets and EOS: the model's own scores; EOS not yet, no ")S" with nothing open,
+        # no "(S" inside a word
+        assert torch.equal(scored[..., :3], log_probs[..., 3:6])
+        assert allowed.tolist() == [[[False, True, False, True], [False, False, False, True]]]
         if score_words == "joint":
-            assert torch.equal(scored, log_probs)
+            assert torch.equal(scored[0, :, 3], log_probs[0, [0, 1], [6, 8]])
             continue
         any_word = torch.logsumexp(log_probs[0, 0, [6, 7]], dim=0)
-        assert scored[0, 0, 6] == pytest.approx(float(any_word))
-        assert scored[0, 1, 8] == 0.0
+        assert scored[0, 0, 3] == pytest.approx(float(any_word))
+        assert scored[0, 1, 3] == 0.0
         done = (torch.tensor([[3, 3]]),) + state[1:]  # every word placed: nothing rescored
-        assert torch.equal(constraint.rescore(log_probs.clone(), done, torch.tensor([0])),
-                           log_probs)
-        untouched = [i for i in range(len(pieces)) if i != 6]
-        assert torch.equal(scored[0, 0, untouched], log_probs[0, 0, untouched])
+        scored, allowed, tokens = constraint.candidates(log_probs.clone(), done, active, room)
+        assert torch.equal(scored[..., 3], log_probs[..., 0])  # the padding piece, banned
+        assert not allowed[..., 3].any() and allowed[..., constraint.eos_column].all()
+
+
+def test_early_stop_is_exact_under_the_tree_constraint():
+    """The constraint's bound on how long a tree can still grow lets a sentence stop early;
+    the search still returns what it returns when every sentence runs to its length limit."""
+    pieces = ["<pad>", "<unk>", "<s>", "</s>", "\u2581(S", "\u2581)S", "\u2581(NP", "\u2581)NP",
+              "\u2581the", "\u2581cat", "\u2581s", "leeps"]
+    src = torch.tensor([[8, 9, 10, 11, 3], [9, 3, 0, 0, 0], [8, 9, 3, 0, 0]])
+    required = [[8, 9, 10, 11], [9], [8, 9]]
+    rows = {Stop.bound: 0, Stop.limit: 0}
+    for seed, nbest in itertools.product(range(4), (1, 3)):
+        model = random_model(vocab=len(pieces), seed=seed)
+        results = {}
+        for stop in rows:
+            constraint = TreeConstraint.for_pieces(pieces, eos_id=3, word_counts=[4, 1, 2],
+                                                   placeholder=None, required=required)
+            step = model.decode_step
+
+            def counted(tokens, cache, stop=stop, step=step):
+                rows[stop] += len(tokens)
+                return step(tokens, cache)
+
+            model.decode_step = counted
+            results[stop] = beam_search(model, src, beam=5, nbest=nbest, alpha=0.6, max_len_a=0,
+                                        max_len_b=100, constraint=constraint, stop=stop)
+            del model.decode_step
+        assert results[Stop.bound] == results[Stop.limit]
+    # Measured: 2,809 decoder rows against 3,184 (the search's own bound, |x| + 100 long, stopped
+    # no sentence earlier than the limit here).
+    assert rows[Stop.bound] < 0.95 * rows[Stop.limit]
 
 
 def test_linearize_subtrees_adds_each_constituent_once(tmp_path):
