@@ -6,6 +6,7 @@ comments: B batch, S source length, T target length, D d_model, H heads, V vocab
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -246,37 +247,50 @@ class DecoderLayer(nn.Module):
         return self.sub.after(2, x, self.ffn(self.sub.before(2, x)))
 
     def step(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor,
-             past_kv: tuple[Tensor, Tensor], past_rows: Tensor | None = None
-             ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+             past_kv: tuple[Tensor, Tensor], past_rows: Tensor | None = None,
+             spare: tuple[Tensor | None, Tensor | None] = (None, None)
+             ) -> tuple[Tensor, tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
         """Incremental decoding: x (N, 1, D) is the one next position of N hypotheses, N a
         multiple of the B source sentences of `memory_kv` (B, H, S, d): row n decodes source
         n // (N / B), so the hypotheses of a beam share their source's keys/values instead of
         copies. x attends to every cached position (the rows `past_rows` of the cache, when
-        given: see `DecoderCache.reorder`) and to itself. Returns the output and the grown
-        self-attention keys/values."""
+        given: see `DecoderCache.reorder`) and to itself. Returns the output, the grown
+        self-attention keys/values, and the buffers holding them (written into `spare`, two
+        flat buffers, where they are large enough: see `grow_cache`)."""
         if x.shape[1] != 1:
             raise ValueError("incremental decoding takes one position at a time")
         q, k, v = self.self_attn.project_self(self.sub.before(0, x))
-        k, v = grow_cache(past_kv[0], k, past_rows), grow_cache(past_kv[1], v, past_rows)
+        (k, k_buffer), (v, v_buffer) = (grow_cache(past_kv[0], k, past_rows, spare[0]),
+                                        grow_cache(past_kv[1], v, past_rows, spare[1]))
         # The one new position has every cached key in its past: no mask needed.
         x = self.sub.after(0, x, self.self_attn.attend(q, k, v))
         x = self.sub.after(1, x, self.cross_attn.attend_memory(self.sub.before(1, x), memory_kv,
                                                                src_mask))
-        return self.sub.after(2, x, self.ffn(self.sub.before(2, x))), (k, v)
+        x = self.sub.after(2, x, self.ffn(self.sub.before(2, x)))
+        return x, (k, v), (k_buffer, v_buffer)
 
 
-def grow_cache(past: Tensor, new: Tensor, rows: Tensor | None = None) -> Tensor:
+def grow_cache(past: Tensor, new: Tensor, rows: Tensor | None = None,
+               spare: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """past (N, H, t, d) (its `rows` if given), then new (B, H, 1, d) → (B, H, t+1, d), in one
     copy: selecting the rows and appending the new position write straight into the result
-    (index_select then cat would copy the whole cache twice per step)."""
+    (index_select then cat would copy the whole cache twice per step). The result is a
+    contiguous view of the flat buffer `spare` when that is large enough, else of a new one a
+    quarter larger than needed; returns it and its buffer. Fresh memory each step is what a
+    beam-21 parse spent its time on: a cache past 32 MB is a new mmap every step, its pages
+    faulted in one by one (7x slower than copying into memory already used)."""
     batch, heads, length, width = past.shape
-    grown = new.new_empty(new.shape[0], heads, length + 1, width)
+    shape = (new.shape[0], heads, length + 1, width)
+    size = math.prod(shape)
+    buffer = spare if spare is not None and spare.numel() >= size \
+        else new.new_empty(size + size // 4)
+    grown = buffer[:size].view(shape)
     if rows is None:
         grown[:, :, :length] = past
     else:
         torch.index_select(past, 0, rows, out=grown[:, :, :length])
     grown[:, :, length:] = new
-    return grown
+    return grown, buffer
 
 
 @dataclass(frozen=True)
@@ -290,6 +304,9 @@ class DecoderCache:
     per layer the self-attention keys/values of every position decoded so far, (N', H, t, d);
     self_rows, which of those N' rows the next step continues, in order (None: all of them);
     reordering is lazy, done by the next step as it appends its position. step: t.
+    buffers: per layer, the two flat buffers self_kv's keys and values are views of; spare:
+    the two a step before held, which the next step writes into (each step reads one pair and
+    writes the other, in memory already touched).
     """
 
     src_mask: Tensor
@@ -297,6 +314,8 @@ class DecoderCache:
     self_kv: tuple[tuple[Tensor, Tensor], ...]
     step: int = 0
     self_rows: Tensor | None = None
+    buffers: tuple[tuple[Tensor, Tensor], ...] | None = None
+    spare: tuple[tuple[Tensor, Tensor], ...] | None = None
 
     def reorder(self, rows: Tensor, sources: Tensor | None = None) -> "DecoderCache":
         """Continue hypothesis rows `rows` (N',) (beam reordering, expanding to beams) of the
@@ -305,11 +324,11 @@ class DecoderCache:
         Only source-side tensors are copied now, and only when `sources` is given."""
         rows = rows if self.self_rows is None else self.self_rows.index_select(0, rows)
         if sources is None:
-            return DecoderCache(self.src_mask, self.memory_kv, self.self_kv, self.step, rows)
+            return dataclasses.replace(self, self_rows=rows)
         memory_kv = tuple((k.index_select(0, sources), v.index_select(0, sources))
                           for k, v in self.memory_kv)
-        return DecoderCache(self.src_mask.index_select(0, sources), memory_kv, self.self_kv,
-                            self.step, rows)
+        return dataclasses.replace(self, src_mask=self.src_mask.index_select(0, sources),
+                                   memory_kv=memory_kv, self_rows=rows)
 
 
 class Embedding(nn.Embedding):
@@ -444,14 +463,19 @@ class Transformer(nn.Module):
         """One incremental step: tokens (N,) at position cache.step → logits (N, V), new cache.
         N is a multiple of the cache's source sentences (see `DecoderCache`)."""
         x = self.embed(self.tgt_embed, tokens[:, None], start=cache.step)  # (B, 1, D)
-        grown = []
-        for layer, memory_kv, past_kv in zip(self.decoder_layers, cache.memory_kv, cache.self_kv):
-            x, kv = layer.step(x, memory_kv, cache.src_mask, past_kv, cache.self_rows)
+        grown, buffers = [], []
+        spares = cache.spare or [(None, None)] * len(self.decoder_layers)
+        for layer, memory_kv, past_kv, spare in zip(self.decoder_layers, cache.memory_kv,
+                                                    cache.self_kv, spares):
+            x, kv, buffer = layer.step(x, memory_kv, cache.src_mask, past_kv, cache.self_rows,
+                                       spare)
             grown.append(kv)
+            buffers.append(buffer)
         if self.config.norm == "pre":
             x = self.decoder_norm(x)
         return self.output_logits(x[:, 0]), DecoderCache(
-            cache.src_mask, cache.memory_kv, tuple(grown), cache.step + 1)
+            cache.src_mask, cache.memory_kv, tuple(grown), cache.step + 1,
+            buffers=tuple(buffers), spare=cache.buffers)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -194,8 +194,8 @@ class ToyModel:
                             self_kv=((torch.zeros(batch, 1, 0, 1), torch.zeros(batch, 1, 0, 1)),))
 
     def decode_step(self, tokens, cache):
-        history = grow_cache(cache.self_kv[0][0], tokens.float().view(-1, 1, 1, 1),
-                             cache.self_rows)
+        history, _ = grow_cache(cache.self_kv[0][0], tokens.float().view(-1, 1, 1, 1),
+                                cache.self_rows)
         logits = torch.full((tokens.shape[0], 6), -1e9)
         for row in range(tokens.shape[0]):
             prefix = tuple(int(t) for t in history[row, 0, 1:, 0].tolist())
