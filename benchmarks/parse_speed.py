@@ -62,6 +62,8 @@ def main() -> None:
                         help="Options of `attn parse` (default: the recipe's search).")
     args = parser.parse_args()
     options = args.extra.split()
+    # each revision runs in its own checkout: the files are named from where we are
+    model, src = str(Path(args.model).resolve()), str(Path(args.src).resolve())
     name, isa = cpu_info()
     log(f"CPU: {name} ({isa}), {os.cpu_count()} cores; attn parse {' '.join(options)}")
     roots = {"current": REPO_ROOT}
@@ -76,7 +78,7 @@ def main() -> None:
             trees: dict[str, bytes] = {}
             for repeat in range(args.repeats):
                 for label, root in roots.items():
-                    took, output = parse_once(root, args.model, args.src, options)
+                    took, output = parse_once(root, model, src, options)
                     seconds[label].append(took)
                     if trees.setdefault(label, output) != output:
                         raise SystemExit(f"{label}: another run gave other trees")
