@@ -1,7 +1,7 @@
 # Two entry points for a fresh checkout (see README.md):
 #   make demo   - install into .venv, then run the Multi30k pipeline on the bundled data
 #   make test   - install into .venv, then run the test suite
-# The local setup pins the CPU build of torch (pyproject.toml keeps `torch>=2.2` for real users).
+# The local setup pins the CPU build of torch (pyproject.toml keeps `torch>=2.3` for real users).
 
 PYTHON ?= python3
 VENV ?= .venv

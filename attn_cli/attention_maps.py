@@ -23,8 +23,10 @@ from pathlib import Path
 
 import torch
 
-from .files import AttnError, atomic_path
-from .formats import ATTENTION_FORMAT, ATTENTION_FORMAT_VERSION, FORMAT_DESCRIPTIONS
+from .batching import collate_pairs
+from .errors import AttnError
+from .files import atomic_path
+from .formats import ATTENTION_FORMAT, ATTENTION_FORMAT_VERSION
 
 KINDS = ("encoder", "decoder", "cross")
 
@@ -52,29 +54,48 @@ def recorded_attention(model):
 def attention_maps(model, sources: list[list[int]], outputs: list[list[int]],
                    sentences_per_pass: int = 32) -> list[dict[str, torch.Tensor]]:
     """Each sentence's {kind: (layers, heads, rows, columns)} maps (see the module's doc):
-    `sources` the source ids with their EOS, `outputs` the output ids without BOS or EOS."""
-    from .translate import pad_sequences
-
+    `sources` the source ids and `outputs` the output ids, neither with BOS or EOS."""
     config = model.config
     found = []
     for start in range(0, len(sources), sentences_per_pass):
-        src_ids = sources[start:start + sentences_per_pass]
-        out_ids = outputs[start:start + sentences_per_pass]
+        pairs = list(zip(sources[start:start + sentences_per_pass],
+                         outputs[start:start + sentences_per_pass]))
         device = next(model.parameters()).device
-        src = pad_sequences(src_ids, config.pad_id).to(device)
-        tgt_in = pad_sequences([[config.bos_id] + ids for ids in out_ids],
-                               config.pad_id).to(device)
+        src, tgt_in, _ = collate_pairs(pairs, config.bos_id, config.eos_id,
+                                       config.pad_id).to(device)
         with recorded_attention(model) as records:
             memory, src_mask = model.encode(src)
             model.decode(tgt_in, memory, src_mask)
         stacked = {kind: torch.stack([weights[0] for weights in per_layer], dim=1)
                    for kind, per_layer in records.items()}  # (B, layers, heads, Lq, Lk)
-        for row, (src_row, out_row) in enumerate(zip(src_ids, out_ids)):
-            s, t = len(src_row), len(out_row) + 1
+        for row, (src_row, out_row) in enumerate(pairs):
+            s, t = len(src_row) + 1, len(out_row) + 1
             found.append({"encoder": stacked["encoder"][row, :, :, :s, :s],
                           "decoder": stacked["decoder"][row, :, :, :t, :t],
                           "cross": stacked["cross"][row, :, :, :t, :s]})
     return found
+
+
+def recording_render(translator, writer: "AttentionWriter"):
+    """A render for `translate.run` (`attn decode --attention`): the lines decode prints, and
+    the attention maps of each line's best output added to `writer`."""
+    from .ensemble import Ensemble
+
+    model = translator.model.models[0] if isinstance(translator.model, Ensemble) \
+        else translator.model
+    loaded, eos = translator.loaded, translator.loaded.config.eos_id
+
+    def render(index, line, hypotheses):
+        if line.strip():
+            source = loaded.src_vocab.encode([line])[0][:translator.max_source]
+            output = hypotheses[0].tokens
+            maps = attention_maps(model, [source], [output])[0]
+            pieces = [loaded.src_vocab.processor.id_to_piece(i) for i in source + [eos]]
+            out_pieces = [loaded.tgt_vocab.processor.id_to_piece(i) for i in output + [eos]]
+            writer.add(index + 1, maps, pieces, out_pieces)
+        return translator.format(index, hypotheses)
+
+    return render
 
 
 class AttentionWriter:
@@ -107,15 +128,7 @@ def read_attention(path: str | Path, line: int) -> tuple[dict[str, torch.Tensor]
 
     from . import stfile
 
-    header = stfile.read_header(path, "attention file")
-    found = header.metadata.get("format")
-    if found != ATTENTION_FORMAT:
-        kind = FORMAT_DESCRIPTIONS.get(found, "not an attn file")
-        raise AttnError(f"{path} is {kind}, not attention maps from `attn decode --attention`")
-    if header.metadata.get("format_version") != ATTENTION_FORMAT_VERSION:
-        raise AttnError(f"{path} has attention format version "
-                        f"{header.metadata.get('format_version')}, this attn reads "
-                        f"{ATTENTION_FORMAT_VERSION}")
+    header = stfile.read_attn_header(path, ATTENTION_FORMAT, "attention file")
     pieces = json.loads(header.metadata.get("pieces", "{}"))
     if str(line) not in pieces:
         lines = sorted(map(int, pieces))

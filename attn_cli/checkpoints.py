@@ -12,6 +12,7 @@ each atomically, so a kill at any moment leaves the previous checkpoint whole.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -19,12 +20,15 @@ from pathlib import Path
 
 import torch
 
-from .files import AttnError
+from . import stfile
+from .errors import AttnError
+from .files import atomic_output, atomic_path
 from .formats import (
     ADAM_MOMENTS,
     METRICS_FILE,
     STATE_FORMAT,
     STATE_FORMAT_VERSION,
+    VALID_METRICS,
     adam_tensor,
 )
 from .modelfile import LoadedModel, load_model, read_model_header, save_model, unwrap
@@ -55,23 +59,30 @@ def list_checkpoints(run_dir: str | os.PathLike,
     return sorted(found)
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run stands after a step: what a resumed run goes on from."""
+
+    step: int = 0
+    epoch: int = 0  # data position: the epoch whose batch order is being consumed...
+    offset: int = 0  # ...and how many of its micro-batches are used up
+    elapsed_seconds: float = 0.0
+    schedule_offset: int = 0  # the step the warmup counts from (--reset-schedule)
+    # How the run's batches were cut (batching.BatchPlan's fields): the offset counts
+    # micro-batches of this budget. None: a new run.
+    batch_plan: dict | None = None
+    # (budget, micro-batches) of the current epoch cut with earlier budgets, in order
+    earlier_budgets: tuple[tuple[int, int], ...] = ()
+
+
 @dataclass
 class ResumeState:
     """Everything besides the weights that makes a resumed run continue exactly."""
 
-    step: int
-    epoch: int  # data position: the epoch whose batch order is being consumed...
-    offset: int  # ...and how many of its micro-batches are used up
-    elapsed_seconds: float
+    point: ResumePoint
     options: dict  # the run's options, to report what a resume changes
     adam: dict[str, torch.Tensor]  # "exp_avg.NAME", "exp_avg_sq.NAME", "step.NAME"
     scaler: dict  # fp16 loss-scaler state (empty otherwise)
-    schedule_offset: int = 0  # the step the warmup counts from (--reset-schedule)
-    # How the run's batches were cut (training.BatchPlan's fields): the offset counts
-    # micro-batches of this budget. None in states written before it was kept.
-    batch_plan: dict | None = None
-    # (budget, micro-batches) of the current epoch cut with earlier budgets, in order
-    earlier_budgets: tuple[tuple[int, int], ...] = ()
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module,
@@ -79,17 +90,16 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module,
                     tgt_vocab: Vocabulary | None, provenance: dict[str, str]) -> Path:
     from safetensors.torch import save_file
 
-    from .files import atomic_path
-
     tensors = adam_tensors(model, optimizer)
+    point = state.point
     metadata = {"format": STATE_FORMAT, "format_version": STATE_FORMAT_VERSION,
-                "step": str(step), "epoch": str(state.epoch), "offset": str(state.offset),
-                "elapsed_seconds": repr(state.elapsed_seconds),
+                "step": str(step), "epoch": str(point.epoch), "offset": str(point.offset),
+                "elapsed_seconds": repr(point.elapsed_seconds),
                 "options": json.dumps(state.options, sort_keys=True),
                 "scaler": json.dumps(state.scaler),
-                "schedule_offset": str(state.schedule_offset),
-                "batch_plan": json.dumps(state.batch_plan),
-                "earlier_budgets": json.dumps(state.earlier_budgets)}
+                "schedule_offset": str(point.schedule_offset),
+                "batch_plan": json.dumps(point.batch_plan),
+                "earlier_budgets": json.dumps(point.earlier_budgets)}
     with atomic_path(state_path(run_dir, step)) as temp:
         save_file(tensors, str(temp), metadata=metadata)
     path = checkpoint_path(run_dir, step)
@@ -129,32 +139,26 @@ def restore_adam(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def load_checkpoint(run_dir: Path, step: int, device) -> tuple[LoadedModel, ResumeState]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     loaded = load_model(checkpoint_path(run_dir, step), device=device)
     path = state_path(run_dir, step)
-    with safe_open(str(path), "pt") as handle:
-        metadata = handle.metadata() or {}
-    if metadata.get("format") != STATE_FORMAT:
-        raise AttnError(f"{path} is not an attn training state")
-    if metadata.get("format_version") != STATE_FORMAT_VERSION:
-        raise AttnError(f"{path} is a training state of format version "
-                        f"{metadata.get('format_version')}; this attn reads version "
-                        f"{STATE_FORMAT_VERSION}")
-    options = json.loads(metadata["options"])
-    state = ResumeState(step=int(metadata["step"]), epoch=int(metadata["epoch"]),
-                        offset=int(metadata["offset"]),
-                        elapsed_seconds=float(metadata["elapsed_seconds"]),
-                        options=options, adam=load_file(str(path)),
-                        scaler=json.loads(metadata.get("scaler", "{}")),
-                        # states written before it had a field of its own kept it in options
-                        schedule_offset=int(metadata.get("schedule_offset",
-                                                         options.get("schedule_offset", 0))),
-                        batch_plan=json.loads(metadata.get("batch_plan", "null")),
-                        earlier_budgets=tuple(tuple(cut) for cut in json.loads(
-                            metadata.get("earlier_budgets", "[]"))))
-    return loaded, state
+    metadata = stfile.read_attn_header(path, STATE_FORMAT, "training state").metadata
+    try:
+        adam = load_file(str(path))
+        point = ResumePoint(step=int(metadata["step"]), epoch=int(metadata["epoch"]),
+                            offset=int(metadata["offset"]),
+                            elapsed_seconds=float(metadata["elapsed_seconds"]),
+                            schedule_offset=int(metadata["schedule_offset"]),
+                            batch_plan=json.loads(metadata["batch_plan"]),
+                            earlier_budgets=tuple(tuple(cut) for cut in json.loads(
+                                metadata["earlier_budgets"])))
+        options, scaler = json.loads(metadata["options"]), json.loads(metadata["scaler"])
+    except (SafetensorError, OSError, KeyError, ValueError) as error:
+        raise AttnError(f"training state {path} is corrupt: {type(error).__name__}: "
+                        f"{error}") from None
+    return loaded, ResumeState(point, options, adam, scaler)
 
 
 def prune_checkpoints(run_dir: Path, keep: int, best: set[int] = frozenset()) -> None:
@@ -167,10 +171,46 @@ def prune_checkpoints(run_dir: Path, keep: int, best: set[int] = frozenset()) ->
         state_path(run_dir, step).unlink(missing_ok=True)
 
 
+def append_metrics(run_dir: Path, row: dict) -> None:
+    """One row at the end of the run's metrics.jsonl, flushed."""
+    with open(run_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(row) + "\n")
+        handle.flush()
+
+
+def metric_key(metric: str) -> str:
+    """The metrics.jsonl field holding the metric's validation score."""
+    return f"valid_{metric}"
+
+
+
+def scored_steps(run_dir: str | Path, metric: str | None = None) -> tuple[str, dict[int, float]]:
+    """(metric, {step: validation score}) from a run's metrics.jsonl: the metric asked for, or
+    the one the run was validated by (its last validation row's `valid_metric`, else loss)."""
+    path = Path(run_dir) / METRICS_FILE
+    rows = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                rows.append(json.loads(line))
+    if metric is None:
+        named = [row["valid_metric"] for row in rows if "valid_metric" in row]
+        metric = named[-1] if named else "loss"
+    key = metric_key(metric)
+    scores = {int(row["step"]): float(row[key]) for row in rows
+              if key in row and math.isfinite(float(row[key]))}
+    return metric, scores
+
+
+def best_steps(scores: dict[int, float], metric: str, count: int) -> list[int]:
+    """The `count` best steps by score, best first (the later step first on a tie)."""
+    sign = -1.0 if VALID_METRICS[metric] == "higher" else 1.0
+    ranked = sorted(scores, key=lambda step: (sign * scores[step], -step))
+    return ranked[:count]
+
+
 def truncate_metrics(run_dir: Path, step: int) -> None:
     """Drop metrics rows after `step`: a resumed run redoes those steps."""
-    from .files import atomic_output
-
     path = run_dir / METRICS_FILE
     if not path.exists():
         return
@@ -206,8 +246,6 @@ def select_for_average(inputs: list[str], last: int | None, best: int | None = N
 
 def _best_for_average(run_dir: str, found: dict[int, Path], count: int,
                       metric: str | None) -> list[tuple[str, Path]]:
-    from .validation import best_steps, metric_key, scored_steps
-
     metric, scores = scored_steps(run_dir, metric)
     scored = {step: score for step, score in scores.items() if step in found}
     if not scored:
@@ -230,8 +268,7 @@ def average_models(paths: list[Path]) -> tuple[LoadedModel, dict[str, torch.Tens
             raise AttnError(f"{path} has another architecture than {paths[0]}: "
                             "only checkpoints of one run can be averaged")
         other = load_model(path)
-        if (other.src_vocab.checksum != first.src_vocab.checksum
-                or other.tgt_vocab.checksum != first.tgt_vocab.checksum):
+        if not first.same_vocabularies(other):
             raise AttnError(f"{path} has another vocabulary than {paths[0]}")
         for name, tensor in other.model.state_dict().items():
             sums[name] += tensor.to(torch.float32)

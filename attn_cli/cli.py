@@ -18,8 +18,8 @@ from typing import Annotated, List, Optional
 import typer
 
 from . import __version__
-from .config import PRESETS
-from .files import AttnError
+from .config import PRESETS, TRAIN_DEFAULTS
+from .errors import AttnError
 from .formats import (
     BATCH_TOKENS,
     BUFFER_SIZE,
@@ -27,6 +27,7 @@ from .formats import (
     PARSING,
     TRANSLATION,
     VALID_METRICS,
+    WORD_SCORES,
     Stop,
 )
 from .scoring import TOKENIZERS
@@ -82,7 +83,7 @@ Precision = _choices("Precision", ("auto", "fp32", "bf16", "fp16"))
 VocabType = _choices("VocabType", ("bpe", "unigram"))
 TreeTerminals = _choices("TreeTerminals", TERMINALS)
 ModelTerminals = _choices("ModelTerminals", ("auto", *TERMINALS))
-WordScores = _choices("WordScores", ("given", "joint"))  # TreeConstraint's (a torch module)
+WordScores = _choices("WordScores", WORD_SCORES)
 OutputFormat = _choices("OutputFormat", ("text", "json"))
 Tokenizer = _choices("Tokenizer", (*TOKENIZERS, COMPOUND_SPLIT))
 ValidMetric = _choices("ValidMetric", VALID_METRICS)
@@ -108,6 +109,9 @@ BufferSizeOption = Annotated[int, typer.Option(
 MaxLenAOption = Annotated[float, typer.Option(
     "--max-len-a", min=0.0, help="Output length limit a·|x| + b: a (paper: 1).")]
 InputOption = Annotated[str, typer.Option("-i", "--input", help="Read this file, not stdin.")]
+StatsJsonOption = Annotated[Optional[Path], typer.Option(
+    "--stats-json", help="Also write the summary (sentences, output tokens, seconds, rates, the "
+    "model's load time) to this file, as one JSON object: for scripts and benchmarks.")]
 StrictOption = Annotated[bool, typer.Option("--strict", help=STRICT_HELP)]
 
 
@@ -211,13 +215,13 @@ def train(
         ValidMetric.loss, "--valid-metric", help="What each save is scored by: loss (and "
         "perplexity), or bleu / chrf (sacreBLEU) / f1 (EVALB, parsers) of the validation "
         "sources decoded by the model; in metrics.jsonl as valid_<metric>."),
-    valid_beam: int = typer.Option(1, "--valid-beam", min=1, help="Beam of that decoding "
-                                   "(1: greedy)."),
+    valid_beam: int = typer.Option(TRAIN_DEFAULTS["valid_beam"], "--valid-beam", min=1,
+                                   help="Beam of that decoding (1: greedy)."),
     valid_ref: Optional[Path] = typer.Option(
         None, "--valid-ref", help="References for --valid-metric: raw text, one line per "
         "validation pair (bleu, chrf), or gold trees (f1). Default: the validation data's "
         "targets, detokenized."),
-    preset: str = typer.Option("base", "--preset", autocompletion=_preset_names,
+    preset: str = typer.Option(TRAIN_DEFAULTS["preset"], "--preset", autocompletion=_preset_names,
                                help="Architecture and recipe: " + ", ".join(PRESETS) + " "
                                "(base-A1 to base-E: Table 3's rows; `attn train --preset NAME "
                                "--dry-run` shows one)."),
@@ -234,10 +238,13 @@ def train(
     save_every: Optional[str] = typer.Option(None, "--save-every",
                                              help="Checkpoint interval: a time (10m) or steps "
                                              "(5000). Default: the preset's."),
-    keep: int = typer.Option(20, "--keep", min=1, help="Checkpoints kept (the newest)."),
-    keep_best: int = typer.Option(0, "--keep-best", min=0, help="Also keep the N best "
-                                  "checkpoints by --valid-metric (`attn average --best N`)."),
-    seed: int = typer.Option(1, "--seed", help="Seed for initialisation, batches and dropout."),
+    keep: int = typer.Option(TRAIN_DEFAULTS["keep"], "--keep", min=1,
+                             help="Checkpoints kept (the newest)."),
+    keep_best: int = typer.Option(TRAIN_DEFAULTS["keep_best"], "--keep-best", min=0,
+                                  help="Also keep the N best checkpoints by --valid-metric "
+                                  "(`attn average --best N`)."),
+    seed: int = typer.Option(TRAIN_DEFAULTS["seed"], "--seed",
+                             help="Seed for initialisation, batches and dropout."),
     device: DeviceOption = Device.auto,
     dtype: Precision = typer.Option(Precision.auto, "--dtype", help="auto (bf16 on CUDA, fp32 "
                                     "on a CPU), fp32, bf16 (autocast; for CUDA: on a CPU no "
@@ -251,15 +258,17 @@ def train(
                                                     max=1.0, help="ε_ls (paper: 0.1)."),
     dropout: Optional[float] = typer.Option(None, "--dropout", min=0.0, max=1.0,
                                             help="P_drop (paper: 0.1 base, 0.3 big)."),
-    log_every: int = typer.Option(100, "--log-every", min=1, help="Steps per metrics row."),
+    log_every: int = typer.Option(TRAIN_DEFAULTS["log_every"], "--log-every", min=1,
+                                  help="Steps per metrics row."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in -o from its "
                                 "last checkpoint, exactly."),
     reset_optimizer: bool = typer.Option(False, "--reset-optimizer",
                                          help="On resume, start Adam's moments from zero."),
     reset_schedule: bool = typer.Option(False, "--reset-schedule",
                                         help="On resume, restart the warmup schedule."),
-    dist_timeout: float = typer.Option(30.0, "--dist-timeout", min=0.1,
-                                       help="Minutes a process waits for the others."),
+    dist_timeout_minutes: float = typer.Option(TRAIN_DEFAULTS["dist_timeout_minutes"],
+                                               "--dist-timeout", min=0.1,
+                                               help="Minutes a process waits for the others."),
     vocab_size: Optional[int] = typer.Option(None, "--vocab-size", min=8,
                                              help="Vocabulary size for --dry-run without data."),
     nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Processes to plan the "
@@ -270,33 +279,26 @@ def train(
     """Train a model (paper §5). Data parallel: torchrun --nproc-per-node N -m attn_cli train."""
     import os
 
-    from .config import get_preset
+    from .config import TrainOptions, get_preset
 
+    # The parameters named as TrainOptions' fields are its values (a test keeps them in step).
+    options = TrainOptions(**{name: value.value if isinstance(value, Enum) else value
+                              for name, value in locals().items() if name in TRAIN_DEFAULTS})
     try:
         get_preset(preset)
     except KeyError as error:
         raise AttnError(error.args[0]) from None
     if (valid_metric != ValidMetric.loss or valid_ref or keep_best) and valid is None:
         raise AttnError("--valid-metric, --valid-ref and --keep-best need --valid data")
-    options = dict(data=data, output=output, preset=preset, valid=valid,
-                   valid_metric=valid_metric.value, valid_beam=valid_beam, valid_ref=valid_ref,
-                   keep_best=keep_best,
-                   batch_tokens=batch_tokens, max_tokens=max_tokens, max_steps=max_steps,
-                   max_time=max_time, save_every=save_every, keep=keep, seed=seed,
-                   device=device.value, dtype=dtype.value, lr_scale=lr_scale, warmup=warmup,
-                   label_smoothing=label_smoothing, dropout=dropout, log_every=log_every,
-                   resume=resume, reset_optimizer=reset_optimizer,
-                   reset_schedule=reset_schedule, dist_timeout_minutes=dist_timeout)
     from . import train_report, training
 
     if dry_run:
         world_size = nproc or int(os.environ.get("WORLD_SIZE", "1"))
-        print(train_report.dry_run_report(training.TrainOptions(**options), vocab_size,
-                                          world_size))
+        print(train_report.dry_run_report(options, vocab_size, world_size))
         return
     if data is None or output is None:
         raise AttnError("train needs a data file and -o RUN_DIR (or --dry-run)")
-    training.train(training.TrainOptions(**options), display=train_report.TrainingDisplay())
+    training.train(options, display=train_report.TrainingDisplay())
 
 
 @app.command()
@@ -381,18 +383,12 @@ def decode(
                                              "to this .st file, for `attn plot attention`."),
     input_path: InputOption = "-",
     strict: StrictOption = False,
+    stats_json: StatsJsonOption = None,
 ) -> None:
     """Translate stdin to stdout with beam search (paper §6.1), or by sampling: one line out
     per line in."""
     from .translate import load_translator
 
-    if sample and nbest > 1:
-        raise AttnError("--nbest needs beam search, not --sample (sample again with another "
-                        "--seed for more outputs)")
-    if topp <= 0.0 or temperature <= 0.0:
-        raise AttnError("--topp and --temperature must be above 0")
-    if (topk or topp < 1.0 or temperature != 1.0) and not sample:
-        raise AttnError("--topk, --topp and --temperature apply to --sample only")
     started = time.perf_counter()
     translator = load_translator(model_path, beam, device=device.value, dtype=dtype.value,
                                  threads=threads, workers=workers, warn=log, alpha=alpha,
@@ -400,41 +396,29 @@ def decode(
                                  stop=stop, sample=sample, topk=topk, topp=topp,
                                  temperature=temperature, seed=seed,
                                  batch_tokens=batch_tokens, buffer_size=buffer_size, raw=raw)
-    log(f"decode: model loaded in {time.perf_counter() - started:.2f}s")
+    loaded_in = time.perf_counter() - started
+    log(f"decode: model loaded in {loaded_in:.2f}s")
     render = None
     if attention is not None:
-        from .attention_maps import AttentionWriter
+        from .attention_maps import AttentionWriter, recording_render
 
         writer = AttentionWriter(attention)
-        render = _recording_attention(translator, writer)
+        render = recording_render(translator, writer)
     stats = _stream(translator, input_path, strict, render)
     if attention is not None:
         writer.write()
         log(f"decode: attention maps of {len(writer.pieces)} lines in {attention}")
     log(f"decode: {stats.summary()}")
+    _write_stats(stats_json, stats, loaded_in)
 
 
-def _recording_attention(translator, writer):
-    """A `translate.run` render that prints what decode prints and adds the line's attention
-    maps (of its best output) to `writer`."""
-    from .attention_maps import attention_maps
-    from .translate import Ensemble
+def _write_stats(path: Path | None, stats, load_seconds: float) -> None:
+    """--stats-json: the summary line's figures, and the model's load time, as JSON."""
+    if path is not None:
+        from .files import atomic_output
 
-    model = translator.model.models[0] if isinstance(translator.model, Ensemble) \
-        else translator.model
-    loaded, eos = translator.loaded, translator.loaded.config.eos_id
-
-    def render(index, line, hypotheses):
-        if line.strip():
-            source = loaded.src_vocab.encode([line])[0][:translator.max_source] + [eos]
-            output = hypotheses[0].tokens
-            maps = attention_maps(model, [source], [output])[0]
-            pieces = [loaded.src_vocab.processor.id_to_piece(i) for i in source]
-            out_pieces = [loaded.tgt_vocab.processor.id_to_piece(i) for i in output + [eos]]
-            writer.add(index + 1, maps, pieces, out_pieces)
-        return translator.format(index, hypotheses)
-
-    return render
+        with atomic_output(path, "w") as handle:
+            handle.write(_json_line({**stats.record(), "load_seconds": load_seconds}) + "\n")
 
 
 def _stream(translator, input_path: str, strict: bool, render=None):
@@ -500,8 +484,11 @@ def score(
     if trees:
         if ref is None or len(files) > 1:
             raise AttnError("score --trees takes --ref GOLD and one file of trees (or stdin)")
-        _score_trees(ref, files[0] if files else "-", sentence_level, max_errors, strict,
-                     as_json, _length_edges(by_length))
+        from .evalb import parse_length_edges, report_lines
+
+        _write_lines(report_lines(ref, files[0] if files else "-", sentence_level, max_errors,
+                                  _utf8_policy(strict), log, as_json,
+                                  parse_length_edges(by_length)))
     elif by_length is not None:
         raise AttnError("--by-length goes with --trees")
     elif model_path:
@@ -535,30 +522,18 @@ def _json_line(value) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _sacrebleu_tokenizer(tokenize: str) -> str:
-    """compound-split tokenizes BLEU only (compound_bleu.py); chrF and TER take none."""
-    return "13a" if tokenize == COMPOUND_SPLIT else tokenize
-
-
 def _score_text(hypothesis_path: str, ref: str, names: list[str], tokenize: str,
                 lowercase: bool, sentence_level: bool, strict: bool, as_json: bool) -> None:
-    from . import compound_bleu, scoring
+    from . import scoring
 
     hypotheses, references, bad_line = scoring.read_parallel(hypothesis_path, ref,
                                                              _utf8_policy(strict))
     if sentence_level:
-        scores = (compound_bleu.sentence_bleu(hypotheses, references, lowercase)
-                  if tokenize == COMPOUND_SPLIT and names[0] == "bleu" else
-                  scoring.sentence_scores(hypotheses, references, names[0],
-                                          _sacrebleu_tokenizer(tokenize), lowercase))
+        scores = scoring.sentence_scores(hypotheses, references, names[0], tokenize, lowercase)
         _write_lines(_json_line({"line": number, names[0]: round(value, 4)}) if as_json
                      else f"{value:.4f}" for number, value in enumerate(scores, start=1))
     elif bad_line is None:
-        results = [compound_bleu.corpus_bleu(hypotheses, references, lowercase)
-                   if tokenize == COMPOUND_SPLIT and name == "bleu" else
-                   scoring.text_scores(hypotheses, references, [name],
-                                       _sacrebleu_tokenizer(tokenize), lowercase)[0]
-                   for name in names]
+        results = scoring.text_scores(hypotheses, references, names, tokenize, lowercase)
         _write_lines([_json_line({r.name: {"score": round(r.score, 4), "signature": r.signature,
                                             "text": r.text} for r in results})] if as_json
                      else [result.line() for result in results])
@@ -569,19 +544,11 @@ def _score_text(hypothesis_path: str, ref: str, names: list[str], tokenize: str,
 def _score_with_model(model_paths: list[Path], src: str, tgt: str, device: str, dtype: str,
                       batch_tokens: int, threads: int, strict: bool, as_json: bool) -> None:
     from . import scoring
-    from .devices import resolve_dtype
-    from .translate import prepare_model
 
     sources, targets, bad_line = scoring.read_parallel(src, tgt, _utf8_policy(strict))
-    from .modelfile import load_model
-    from .translate import check_same_vocabularies
-
-    loaded, chosen, _ = prepare_model(model_paths[0], device, threads)
-    ensemble = [load_model(path, device=chosen) for path in model_paths[1:]]
-    check_same_vocabularies([loaded, *ensemble], [str(path) for path in model_paths])
     started = time.perf_counter()
-    results = scoring.force_decode(loaded, sources, targets, chosen,
-                                   resolve_dtype(dtype, chosen), batch_tokens, ensemble)
+    results = scoring.score_with_model(model_paths, sources, targets, device, dtype,
+                                       batch_tokens, threads)
     _write_lines(_json_line({"line": number, "log_prob": round(r.log_prob, 4),
                              "tokens": r.tokens}) if as_json else f"{r.log_prob:.4f}\t{r.tokens}"
                  for number, r in enumerate(results, start=1))
@@ -590,44 +557,6 @@ def _score_with_model(model_paths: list[Path], src: str, tgt: str, device: str, 
     tokens = sum(result.tokens for result in results)
     log(f"score: {len(results)} pairs, {tokens} target tokens (EOS included), perplexity "
         f"{scoring.perplexity(results):.4f} in {time.perf_counter() - started:.1f}s")
-
-
-def _length_edges(text: str | None) -> tuple[int, ...]:
-    """--by-length 10,20,40 as (10, 20, 40), checked."""
-    from .scoring import length_buckets
-
-    if text is None:
-        return ()
-    try:
-        edges = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise AttnError(f"--by-length takes word counts such as 10,20,40, not {text!r}") from None
-    length_buckets(edges)
-    return edges
-
-
-def _score_trees(gold: str, test: str, sentence_level: bool, max_errors: int, strict: bool,
-                 as_json: bool, length_edges: tuple[int, ...] = ()) -> None:
-    from . import scoring
-
-    sentences = []
-
-    def lines():
-        for sentence in scoring.tree_scores(gold, test, max_errors, _utf8_policy(strict), log):
-            sentences.append(sentence)
-            if sentence_level:
-                yield (_json_line(scoring.tree_sentence_json(sentence)) if as_json
-                       else scoring.tree_sentence_line(sentence))
-        if not sentence_level:
-            totals = scoring.tree_totals(sentences, length_edges)
-            if as_json:
-                yield _json_line({label: scoring.tree_counts_json(counts)
-                                  for label, counts in totals.items()})
-            else:
-                yield from (scoring.tree_summary_line(label, counts)
-                            for label, counts in totals.items())
-
-    _write_lines(lines())
 
 
 parse_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
@@ -666,6 +595,7 @@ def parse(
                                     "of any word there: only the brackets are searched) or "
                                     "joint (the probability of the input's own pieces)."),
     strict: StrictOption = False,
+    stats_json: StatsJsonOption = None,
 ) -> None:
     """Constituency parsing with the same model (paper §6.3): one tokenized sentence per line in,
     one well-formed bracketed tree per line out, always (an empty line for an empty line).
@@ -676,21 +606,21 @@ def parse(
         raise AttnError("parse needs -m PARSER.st (or the subcommand `linearize`)")
     from .parsing import tree_line
     from .translate import load_translator
-    from .tree_search import model_terminals, tree_constraint_for
+    from .tree_search import tree_constraints
 
+    started = time.perf_counter()
     translator = load_translator(model_path, beam, device=device.value, dtype=dtype.value,
                                  threads=threads, workers=workers, warn=log, alpha=alpha,
                                  max_len_a=max_len_a, max_len_b=max_len_b,
-                                 batch_tokens=batch_tokens, buffer_size=buffer_size)
-    loaded = translator.loaded
-    kind = model_terminals(loaded.tgt_vocab) if terminals == ModelTerminals.auto \
-        else terminals.value
-    if constrain:
-        translator.constraint_for = tree_constraint_for(loaded.tgt_vocab, loaded.config.eos_id,
-                                                        kind, score_words.value)
+                                 batch_tokens=batch_tokens, buffer_size=buffer_size,
+                                 constraint_for=tree_constraints(terminals.value,
+                                                                 score_words.value)
+                                 if constrain else None)
+    loaded_in = time.perf_counter() - started
     stats = _stream(translator, input_path, strict, render=lambda index, line, hypotheses: [
         tree_line(translator, line, hypotheses)])
     log(f"parse: {stats.summary()}")
+    _write_stats(stats_json, stats, loaded_in)
 
 
 @parse_app.command("linearize")

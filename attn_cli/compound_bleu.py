@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import regex
 
-from .formats import COMPOUND_SPLIT  # noqa: F401 (the --tokenize name, for callers)
-
 SIGNATURE_TOKENIZER = "moses-like+compound-split"
 
 _SPACES = regex.compile(r"\s+")

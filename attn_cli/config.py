@@ -1,9 +1,12 @@
-"""Model configuration and the named presets (paper §3, §5, Table 3, §6.3).
+"""Model configuration, the named presets (paper §3, §5, Table 3, §6.3) and the options of a
+training run.
 
 Pure Python, no torch: `attn --help`, shell completion and `--dry-run` planning import this freely.
 A `ModelConfig` is the only argument of the model's constructor and is serialised, as JSON, into
 every model file. A `Preset` adds the training recipe (dropout, label smoothing, schedule, batch)
-to an architecture; presets are immutable and a changed recipe gets a new name.
+to an architecture; presets are immutable and a changed recipe gets a new name. `TrainOptions` are
+`attn train`'s options, each declared once with what a resumed run may do with it; `Recipe` is
+the preset with the run's overrides.
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
 
+from .errors import AttnError
 from .formats import BOS_ID, CONFIG_FORMAT_VERSION, EOS_ID, PAD_ID, UNK_ID
 
 
@@ -186,3 +192,116 @@ def get_preset(name: str) -> Preset:
         return PRESETS[name]
     except KeyError:
         raise KeyError(f"unknown preset {name!r}; choose from: {', '.join(PRESETS)}") from None
+
+
+# ------------------------------------------------------------------------ a training run's options
+
+# What a resumed run may do with an option; every field of TrainOptions names one.
+RECIPE = "recipe"  # it changes what is learned: a resume that changes it says so
+FREE = "free"  # it does not (when to stop or save, where to write, the precision, ...)
+PER_NODE = "per node"  # a path, which may differ from node to node (free on resume too): the
+#                        processes compare the file's contents, not the path
+
+
+def _option(default=dataclasses.MISSING, *, on_resume: str = RECIPE):
+    return dataclasses.field(default=default, metadata={"on_resume": on_resume})
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """`attn train`'s options under their command-line names (--dist-timeout is
+    dist_timeout_minutes), with the CLI's defaults. A new option is a field here, with what a
+    resumed run may do with it, and a parameter of the `train` command (a test holds the two
+    together); resuming, the processes' agreement and --dry-run read it from here."""
+
+    data: Path | None = _option(on_resume=PER_NODE)
+    output: Path | None = _option(on_resume=PER_NODE)
+    preset: str = _option("base")
+    valid: Path | None = _option(None, on_resume=PER_NODE)
+    valid_metric: str = _option("loss", on_resume=FREE)  # formats.VALID_METRICS
+    valid_beam: int = _option(1, on_resume=FREE)
+    # references (text or gold trees); None: valid's targets
+    valid_ref: Path | None = _option(None, on_resume=PER_NODE)
+    batch_tokens: int | None = _option(None)  # None: the preset's
+    max_tokens: int | None = _option(None, on_resume=FREE)
+    max_steps: int | None = _option(None, on_resume=FREE)
+    max_time: str | None = _option(None, on_resume=FREE)
+    save_every: str | None = _option(None, on_resume=FREE)
+    keep: int = _option(20, on_resume=FREE)
+    keep_best: int = _option(0, on_resume=FREE)  # also kept: this many best by valid_metric
+    seed: int = _option(1)
+    device: str = _option("auto", on_resume=FREE)
+    dtype: str = _option("auto", on_resume=FREE)
+    lr_scale: float | None = _option(None)
+    warmup: int | None = _option(None)
+    label_smoothing: float | None = _option(None)
+    dropout: float | None = _option(None)
+    log_every: int = _option(100, on_resume=FREE)
+    resume: bool = _option(False, on_resume=FREE)
+    reset_optimizer: bool = _option(False, on_resume=FREE)
+    reset_schedule: bool = _option(False, on_resume=FREE)
+    dist_timeout_minutes: float = _option(30.0, on_resume=FREE)
+
+    def recipe(self) -> "Recipe":
+        """The preset with this run's overrides: what the run actually uses."""
+        return Recipe.from_preset(get_preset(self.preset), **{
+            name: getattr(self, name) for name in Recipe.PRESET_FIELDS})
+
+    def record(self) -> dict:
+        """Every option, the recipe's filled in, as JSON values: what a checkpoint keeps to tell
+        a resumed run what it changes."""
+        filled = {**dataclasses.asdict(self), **dataclasses.asdict(self.recipe())}
+        return {key: str(value) if isinstance(value, Path) else value
+                for key, value in filled.items()}
+
+
+def train_options_where(on_resume: str) -> frozenset[str]:
+    """The names of the options a resumed run may treat as `on_resume` says."""
+    return frozenset(field.name for field in dataclasses.fields(TrainOptions)
+                     if field.metadata["on_resume"] == on_resume)
+
+
+# A resumed run may change these without a --reset flag (they do not alter what was learned).
+FREELY_CHANGED = train_options_where(FREE) | train_options_where(PER_NODE)
+# Left out of what every process must share with rank 0 (the files' contents are compared).
+PER_NODE_OPTIONS = train_options_where(PER_NODE)
+TRAIN_DEFAULTS = {field.name: field.default for field in dataclasses.fields(TrainOptions)}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """§5's numbers for a run: the preset's, where an option does not override them. The field
+    names are the option names."""
+
+    batch_tokens: int  # per side, per step, over all processes
+    max_steps: int
+    save_every: str  # a time (10m) or steps (5000)
+    lr_scale: float
+    warmup: int
+    label_smoothing: float
+    dropout: float
+
+    # option (field) name → the preset's field
+    PRESET_FIELDS: ClassVar[dict[str, str]] = {
+        "batch_tokens": "batch_tokens", "max_steps": "max_steps", "save_every": "save_every",
+        "lr_scale": "lr_scale", "warmup": "warmup_steps", "label_smoothing": "label_smoothing",
+        "dropout": "dropout"}
+
+    @classmethod
+    def from_preset(cls, preset: Preset, **overrides) -> "Recipe":
+        """The preset's recipe, with the overrides that are not None."""
+        return cls(**{name: getattr(preset, field) if overrides.get(name) is None
+                      else overrides[name] for name, field in cls.PRESET_FIELDS.items()})
+
+
+def parse_interval(text: str) -> tuple[float, str]:
+    """'10m', '90s', '2h' → (seconds, 'time'); '5000' or '5000u' → (steps, 'steps')."""
+    text = text.strip().lower()
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        if text and text[-1] in units:
+            return float(text[:-1]) * units[text[-1]], "time"
+        return float(int(text.rstrip("u"))), "steps"
+    except ValueError:
+        raise AttnError(f"cannot read the interval {text!r}: use steps (5000) or a time "
+                        "(30s, 10m, 12h)") from None

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from . import stfile
+from .errors import AttnError
 from .files import (
     STRICT,
-    AttnError,
     Utf8Policy,
     decode_chunk,
     display_name,
@@ -33,7 +33,6 @@ from .formats import (
     DATA_FORMAT,
     DATA_FORMAT_VERSION,
     EOS_ID,
-    FORMAT_DESCRIPTIONS,
     PAD_ID,
     SIDES,
     UNK_ID,
@@ -205,16 +204,9 @@ class ParallelData:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        header = stfile.read_header(path, "data file")
+        header = stfile.read_attn_header(path, DATA_FORMAT, "data file",
+                                         "; make one with `attn binarize`")
         self.metadata = header.metadata
-        found = header.metadata.get("format")
-        if found != DATA_FORMAT:
-            kind = FORMAT_DESCRIPTIONS.get(found, "not an attn data file")
-            raise AttnError(f"data file {path} is {kind}; make one with `attn binarize`")
-        if header.metadata.get("format_version") != DATA_FORMAT_VERSION:
-            raise AttnError(f"data file {path} has format version "
-                            f"{header.metadata.get('format_version')}, this attn reads "
-                            f"{DATA_FORMAT_VERSION}: binarize it again")
         expected = {name(side) for side in SIDES for name in (ids_tensor, offsets_tensor)}
         missing = (expected | {vocab_tensor("src")}) - set(header.tensors)
         if missing:
@@ -250,61 +242,3 @@ class ParallelData:
             if self.metadata.get(key) != other.metadata.get(key):
                 raise AttnError(f"{other.path} was binarized with another vocabulary than "
                                 f"{self.path}: binarize both with the same --vocab")
-
-
-def token_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int,
-                  seed: int, epoch: int = 0) -> list[np.ndarray]:
-    """Length-bucketed batches bounded by a token budget (§5.1: "sentence pairs were batched
-    together by approximate sequence length").
-
-    Pairs are sorted by target then source length (ties broken at random from `seed` and
-    `epoch`), then packed greedily so that sentences × longest sentence, padding and EOS/BOS
-    included, stays within `max_tokens` on each side. The batch order is shuffled. A pair longer
-    than the budget on its own becomes a batch of one."""
-    rng = np.random.default_rng([seed, epoch])
-    order = rng.permutation(len(src_lengths))
-    order = order[np.lexsort((src_lengths[order], tgt_lengths[order]))]
-    src_sorted = (src_lengths[order] + 1).tolist()  # + EOS
-    tgt_sorted = (tgt_lengths[order] + 1).tolist()  # + BOS (input) / EOS (output)
-    boundaries = [0]
-    longest_src = longest_tgt = 0
-    for position, (src_len, tgt_len) in enumerate(zip(src_sorted, tgt_sorted)):
-        longest_src = max(longest_src, src_len)
-        longest_tgt = max(longest_tgt, tgt_len)
-        count = position - boundaries[-1] + 1
-        if count > 1 and max(longest_src, longest_tgt) * count > max_tokens:
-            boundaries.append(position)
-            longest_src, longest_tgt = src_len, tgt_len
-    boundaries.append(len(order))
-    batches = [order[begin:end] for begin, end in zip(boundaries[:-1], boundaries[1:])]
-    return [batches[i] for i in rng.permutation(len(batches))]
-
-
-@dataclass(frozen=True)
-class Batch:
-    """Padded int64 arrays: src_tokens = x + EOS, tgt_input = BOS + y, tgt_output = y + EOS."""
-
-    src_tokens: np.ndarray  # (B, S)
-    tgt_input: np.ndarray  # (B, T)
-    tgt_output: np.ndarray  # (B, T)
-
-    @property
-    def tgt_token_count(self) -> int:
-        return int((self.tgt_output != PAD_ID).sum())
-
-
-def collate(data: ParallelData, indices: np.ndarray) -> Batch:
-    pairs = [data.pair(int(i)) for i in indices]
-    src_width = max(len(src) for src, _ in pairs) + 1
-    tgt_width = max(len(tgt) for _, tgt in pairs) + 1
-    src_tokens = np.full((len(pairs), src_width), PAD_ID, dtype=np.int64)
-    tgt_input = np.full((len(pairs), tgt_width), PAD_ID, dtype=np.int64)
-    tgt_output = np.full((len(pairs), tgt_width), PAD_ID, dtype=np.int64)
-    for row, (src, tgt) in enumerate(pairs):
-        src_tokens[row, :len(src)] = src
-        src_tokens[row, len(src)] = EOS_ID
-        tgt_input[row, 0] = BOS_ID
-        tgt_input[row, 1:len(tgt) + 1] = tgt
-        tgt_output[row, :len(tgt)] = tgt
-        tgt_output[row, len(tgt)] = EOS_ID
-    return Batch(src_tokens, tgt_input, tgt_output)

@@ -1,4 +1,5 @@
-"""Device and precision choices shared by train, decode and score."""
+"""Device and precision choices shared by train, decode and score, and the packed weights that
+decoding on a CPU runs with (oneDNN's blocked layout, prepared once per model)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .files import AttnError
+from .errors import AttnError
 
 
 def pick_device(option: str, index: int = 0) -> torch.device:
@@ -66,8 +67,8 @@ def warn_if_bf16_is_emulated(dtype: str, device: torch.device, command: str) -> 
     """One line on stderr when bf16 is asked for on a CPU that would emulate it."""
     if dtype == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
         print(f"{command}: warning: --dtype bf16 on a CPU without native bf16 (AVX512-BF16 or "
-              "AMX): emulated, about 18x slower than fp32 here (81 against ~1500 target "
-              "tokens/s measured on an AVX2 CPU); fp32 is the fast choice", file=sys.stderr,
+              "AMX): emulated, about 18x slower than fp32 (measured on an AVX2 CPU); fp32 is the "
+              "fast choice", file=sys.stderr,
               flush=True)
 
 

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .files import AttnError
+from .errors import AttnError
 from .formats import MAX_SOURCE_TOKENS, SHARED_EMBEDDING, SOURCE_EMBEDDING, TRANSLATION
 
 
@@ -58,53 +58,57 @@ def transformer_spec_of(loaded, add_source_eos: bool = True):
     length = config.max_positions if config.positions == "learned" else \
         MAX_SOURCE_TOKENS + 1 + TRANSLATION.max_len_b
     positions = model.positions(0, length).detach().float().numpy()
-
-    def linear(layer_spec, name, bias=False):
-        layer_spec.weight = weights[f"{name}.weight"]  # torch's (out, in) layout, as CT2's
-        if bias:
-            layer_spec.bias = weights[f"{name}.bias"]  # attention projections have none
-
-    def norm(layer_spec, name):
-        layer_spec.gamma, layer_spec.beta = weights[f"{name}.weight"], weights[f"{name}.bias"]
-
-    def ffn(ffn_spec, prefix, index):
-        norm(ffn_spec.layer_norm, f"{prefix}.sub.norms.{index}")
-        linear(ffn_spec.linear_0, f"{prefix}.ffn.inner", bias=True)
-        linear(ffn_spec.linear_1, f"{prefix}.ffn.outer", bias=True)
-
-    def self_attention(attention, prefix):  # linear[0]: fused q, k, v; linear[1]: out
-        norm(attention.layer_norm, f"{prefix}.sub.norms.0")
-        linear(attention.linear[0], f"{prefix}.self_attn.qkv_proj")
-        linear(attention.linear[1], f"{prefix}.self_attn.out_proj")
-
     # With pre_norm the spec's sub-layer norms come before each sub-layer and a final norm ends
     # each stack; without, they follow each residual add: both are ours.
     spec.encoder.embeddings[0].weight = weights[SOURCE_EMBEDDING if SOURCE_EMBEDDING in weights
                                                 else SHARED_EMBEDDING]
     spec.encoder.position_encodings.encodings = positions
     for i, layer in enumerate(spec.encoder.layer):
-        self_attention(layer.self_attention, f"encoder_layers.{i}")
-        ffn(layer.ffn, f"encoder_layers.{i}", 1)
+        _self_attention(layer.self_attention, weights, f"encoder_layers.{i}")
+        _feed_forward(layer.ffn, weights, f"encoder_layers.{i}", 1)
     spec.decoder.embeddings.weight = weights[SHARED_EMBEDDING]
     spec.decoder.position_encodings.encodings = positions
     spec.decoder.projection.weight = weights[SHARED_EMBEDDING]  # tied, no bias
     for i, layer in enumerate(spec.decoder.layer):
         prefix = f"decoder_layers.{i}"
-        self_attention(layer.self_attention, prefix)
+        _self_attention(layer.self_attention, weights, prefix)
         cross = layer.attention  # linear[0]: q; linear[1]: fused k, v; linear[2]: out
-        norm(cross.layer_norm, f"{prefix}.sub.norms.1")
-        linear(cross.linear[0], f"{prefix}.cross_attn.q_proj")
-        linear(cross.linear[1], f"{prefix}.cross_attn.kv_proj")
-        linear(cross.linear[2], f"{prefix}.cross_attn.out_proj")
-        ffn(layer.ffn, prefix, 2)
+        _norm(cross.layer_norm, weights, f"{prefix}.sub.norms.1")
+        _linear(cross.linear[0], weights, f"{prefix}.cross_attn.q_proj")
+        _linear(cross.linear[1], weights, f"{prefix}.cross_attn.kv_proj")
+        _linear(cross.linear[2], weights, f"{prefix}.cross_attn.out_proj")
+        _feed_forward(layer.ffn, weights, prefix, 2)
     if pre:
-        norm(spec.encoder.layer_norm, "encoder_norm")
-        norm(spec.decoder.layer_norm, "decoder_norm")
+        _norm(spec.encoder.layer_norm, weights, "encoder_norm")
+        _norm(spec.decoder.layer_norm, weights, "decoder_norm")
     # Pieces in id order: attn's <pad> <unk> <s> </s> (ids 0-3) are CT2's default specials.
     for vocab, register in ((loaded.src_vocab, spec.register_source_vocabulary),
                             (loaded.tgt_vocab, spec.register_target_vocabulary)):
         register([vocab.processor.id_to_piece(i) for i in range(len(vocab))])
     return spec
+
+
+def _linear(layer_spec, weights: dict, name: str, bias: bool = False) -> None:
+    layer_spec.weight = weights[f"{name}.weight"]  # torch's (out, in) layout, as CT2's
+    if bias:
+        layer_spec.bias = weights[f"{name}.bias"]  # attention projections have none
+
+
+def _norm(layer_spec, weights: dict, name: str) -> None:
+    layer_spec.gamma, layer_spec.beta = weights[f"{name}.weight"], weights[f"{name}.bias"]
+
+
+def _feed_forward(ffn_spec, weights: dict, prefix: str, index: int) -> None:
+    _norm(ffn_spec.layer_norm, weights, f"{prefix}.sub.norms.{index}")
+    _linear(ffn_spec.linear_0, weights, f"{prefix}.ffn.inner", bias=True)
+    _linear(ffn_spec.linear_1, weights, f"{prefix}.ffn.outer", bias=True)
+
+
+def _self_attention(attention, weights: dict, prefix: str) -> None:
+    """linear[0]: the fused q, k, v projection; linear[1]: the output projection."""
+    _norm(attention.layer_norm, weights, f"{prefix}.sub.norms.0")
+    _linear(attention.linear[0], weights, f"{prefix}.self_attn.qkv_proj")
+    _linear(attention.linear[1], weights, f"{prefix}.self_attn.out_proj")
 
 
 def export_ct2(model_path: str | Path, output_dir: str | Path, quantization: str = "float32",

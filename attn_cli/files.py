@@ -1,4 +1,4 @@
-"""Files: the one error type users see, UTF-8 line reading that names file and line, atomic writes.
+"""Files: UTF-8 line reading that names file and line, the invalid-UTF-8 policy, atomic writes.
 
 No torch here. Every command's I/O goes through these few functions so that the rules hold
 everywhere: a bad input is one `error: ...` line naming the file (and line), and nothing is ever
@@ -15,11 +15,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from .errors import AttnError
+
 STDIO = "-"
-
-
-class AttnError(Exception):
-    """A problem with the user's input or environment: shown as one `error: ...` line, exit 2."""
 
 
 def display_name(path: str | os.PathLike) -> str:
@@ -98,6 +96,12 @@ def read_lines(path: str | os.PathLike, policy: Utf8Policy = STRICT) -> Iterator
     with open_binary(path) as handle:
         for line_number, raw in enumerate(handle, start=1):
             yield policy.decode(raw, path, line_number)
+
+
+def read_raw_lines(path: str | os.PathLike) -> list[bytes]:
+    """Every line of a file (or `-`) as bytes, line endings kept: for inputs read whole."""
+    with open_binary(path) as handle:
+        return list(handle)
 
 
 def take_lines(handle: BinaryIO, count: int) -> list[bytes]:

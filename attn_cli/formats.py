@@ -19,7 +19,7 @@ MODEL_FORMAT_VERSION = "1"
 DATA_FORMAT = "attn-data"  # `attn binarize`
 DATA_FORMAT_VERSION = "1"
 STATE_FORMAT = "attn-train-state"  # checkpoint-STEP.state.st
-STATE_FORMAT_VERSION = "1"
+STATE_FORMAT_VERSION = "2"  # 2: schedule_offset, batch_plan and earlier_budgets always present
 CONFIG_FORMAT_VERSION = 1  # the model config's JSON, inside every model file
 
 ATTENTION_FORMAT = "attn-attention"  # `attn decode --attention`
@@ -31,6 +31,8 @@ FORMAT_DESCRIPTIONS = {
     STATE_FORMAT: "an attn training state",
     ATTENTION_FORMAT: "attention maps from `attn decode --attention`",
 }
+FORMAT_VERSIONS = {MODEL_FORMAT: MODEL_FORMAT_VERSION, DATA_FORMAT: DATA_FORMAT_VERSION,
+                   STATE_FORMAT: STATE_FORMAT_VERSION, ATTENTION_FORMAT: ATTENTION_FORMAT_VERSION}
 
 # ------------------------------------------------------------------------------ tensor names
 
@@ -115,6 +117,10 @@ class Stop(str, Enum):
     best_ends = "best-ends"
     limit = "limit"
 
+
+# `attn parse --constrain --score-words`: how a parse with word terminals scores the input's
+# words (tree_search.TreeConstraint).
+WORD_SCORES = ("given", "joint")
 
 BATCH_TOKENS = 8000  # source tokens × beam held by one search batch (score -m: tokens per batch)
 BUFFER_SIZE = 2000  # lines read ahead and sorted by length

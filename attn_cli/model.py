@@ -59,7 +59,8 @@ def cpu_dropout_scale(x: Tensor, p: float) -> Tensor:
 
 class MultiHeadAttention(nn.Module):
     """§3.2.2: MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,
-    head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V), Attention = softmax(Q K^T / sqrt(d_k)) V.
+    head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V), with §3.2.1's scaled dot-product attention,
+    Attention = softmax(Q K^T / sqrt(d_k)) V.
 
     The h per-head projections are stored as one matrix each (h·d_k columns), without biases:
     the paper's projections are matrices W^Q, W^K, W^V, W^O (as in tensor2tensor; a key bias
@@ -87,9 +88,10 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None,
                 causal: bool = False) -> Tensor:
-        """Queries from x (B, L, D); keys and values from the encoder output `memory` (B, S, D)
-        in encoder-decoder attention, from x itself in self-attention. `mask` is True where a
-        key may be attended; `causal`: each position attends to itself and those before it."""
+        """§3.2.3's three uses: queries from x (B, L, D); keys and values from the encoder
+        output `memory` (B, S, D) in encoder-decoder attention, from x itself in self-attention.
+        `mask` is True where a key may be attended (padding is not); `causal`: each position
+        attends to itself and those before it (the decoder's self-attention)."""
         if self.cross:
             queries = self._split_heads(self.q_proj(x), self.d_k)
             keys, values = self.project_memory(memory)
@@ -163,8 +165,8 @@ class MultiHeadAttention(nn.Module):
 
 def attention_weights(queries: Tensor, keys_t: Tensor, mask: Tensor | None = None,
                       causal: bool = False) -> Tensor:
-    """softmax(Q K^T / sqrt(d_k)) in float32, (..., Lq, Lk): what each query attends to. `mask`
-    is True where a key may be attended; `causal`: query i sees keys 0..i only."""
+    """§3.2.1's softmax(Q K^T / sqrt(d_k)) in float32, (..., Lq, Lk): what each query attends
+    to. `mask` is True where a key may be attended; `causal`: query i sees keys 0..i only."""
     scores = torch.matmul(queries, keys_t).float() * queries.shape[-1] ** -0.5
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf)
@@ -176,9 +178,9 @@ def attention_weights(queries: Tensor, keys_t: Tensor, mask: Tensor | None = Non
 
 def attention_written_out(queries: Tensor, keys_t: Tensor, values: Tensor,
                           mask: Tensor | None = None) -> Tensor:
-    """softmax(Q K^T / sqrt(d_k)) V as two batched matmuls, the softmax in float32 whatever the
-    weights' precision; `keys_t` is K^T (..., d_k, Lk). `mask` (broadcast to (B, H, Lq, Lk)) is
-    True where a key may be attended; every query must have one."""
+    """§3.2.1's softmax(Q K^T / sqrt(d_k)) V as two batched matmuls, the softmax in float32
+    whatever the weights' precision; `keys_t` is K^T (..., d_k, Lk). `mask` (broadcast to
+    (B, H, Lq, Lk)) is True where a key may be attended; every query must have one."""
     weights = torch.matmul(queries, keys_t).float()
     weights.mul_(queries.shape[-1] ** -0.5)
     if mask is not None:
@@ -335,7 +337,8 @@ class Embedding(nn.Embedding):
     """nn.Embedding that draws no weights on the meta device. A model to be loaded from a file is
     built there (modelfile.load_model: no memory, nothing drawn that the file replaces), and
     normal_ on a meta tensor runs torch's Python reference kernel, whose first call imports
-    torch._dynamo: 0.8 s of every `attn decode`'s start-up."""
+    torch._dynamo: it made loading a model 40 times slower (benchmarks/README.md, the rework's
+    check)."""
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:
@@ -350,7 +353,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         d_model = config.d_model
-        # §3.4: one embedding matrix for source, target and the pre-softmax projection.
+        # §3.4: one embedding matrix for source, target and the pre-softmax projection (with a
+        # separate target vocabulary, share_embeddings False, the source has its own).
         self.tgt_embed = Embedding(config.tgt_vocab_size, d_model, padding_idx=config.pad_id)
         self.src_embed = (self.tgt_embed if config.share_embeddings
                           else Embedding(config.src_vocab_size, d_model,
@@ -477,7 +481,3 @@ class Transformer(nn.Module):
             cache.src_mask, cache.memory_kv, tuple(grown), cache.step + 1,
             buffers=tuple(buffers), spare=cache.buffers)
 
-
-def count_parameters(model: nn.Module) -> int:
-    """Distinct parameters (the shared embedding counted once)."""
-    return sum(p.numel() for p in model.parameters())

@@ -16,9 +16,9 @@ import torch
 
 from . import __version__, stfile
 from .config import ModelConfig
-from .files import AttnError, atomic_path
+from .errors import AttnError
+from .files import atomic_path
 from .formats import (
-    FORMAT_DESCRIPTIONS,
     MODEL_FORMAT,
     MODEL_FORMAT_VERSION,
     SHARED_EMBEDDING,
@@ -42,6 +42,11 @@ class LoadedModel:
     def config(self) -> ModelConfig:
         return self.model.config
 
+    def same_vocabularies(self, other: "LoadedModel") -> bool:
+        """Whether `other` reads and writes the same pieces (source and target)."""
+        return (other.src_vocab.checksum == self.src_vocab.checksum
+                and other.tgt_vocab.checksum == self.tgt_vocab.checksum)
+
 
 def unwrap(model: torch.nn.Module) -> Transformer:
     """The bare Transformer inside DistributedDataParallel and/or torch.compile wrappers."""
@@ -60,13 +65,13 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_model(path: str | os.PathLike, model: torch.nn.Module, src_vocab: Vocabulary,
-               tgt_vocab: Vocabulary | None = None, tensors: dict[str, torch.Tensor] | None = None,
-               **provenance: str) -> None:
-    """Write a model file atomically. `tensors` replaces the model's own weights (averaging)."""
+               tgt_vocab: Vocabulary | None = None, **provenance: str) -> None:
+    """Write a model file atomically: its weights, config and vocabularies, and `provenance`
+    (preset, step, averaged_from, ...) as metadata."""
     from safetensors.torch import save_file
 
     config = unwrap(model).config
-    payload = dict(tensors if tensors is not None else weights(model))
+    payload = weights(model)
     payload[SRC_VOCAB] = torch.frombuffer(bytearray(src_vocab.model_bytes), dtype=torch.uint8)
     separate_target = tgt_vocab is not None and tgt_vocab is not src_vocab
     if separate_target:
@@ -85,16 +90,7 @@ def save_model(path: str | os.PathLike, model: torch.nn.Module, src_vocab: Vocab
 
 def read_model_header(path: str | os.PathLike) -> tuple[stfile.Header, ModelConfig]:
     """Check that `path` is an attn model file and return its header and config (no weights)."""
-    header = stfile.read_header(path, "model file")
-    found = header.metadata.get("format")
-    if found != MODEL_FORMAT:
-        if found in FORMAT_DESCRIPTIONS:
-            raise AttnError(f"model file {path} is {FORMAT_DESCRIPTIONS[found]}, not a model")
-        raise AttnError(f"model file {path} is not an attn model (no attn metadata)")
-    if header.metadata.get("format_version") != MODEL_FORMAT_VERSION:
-        raise AttnError(f"model file {path} has format version "
-                        f"{header.metadata.get('format_version')!r}; this attn reads "
-                        f"{MODEL_FORMAT_VERSION}")
+    header = stfile.read_attn_header(path, MODEL_FORMAT, "model file")
     try:
         config = ModelConfig.from_json(header.metadata["config"])
     except (KeyError, ValueError, TypeError) as error:

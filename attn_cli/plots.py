@@ -10,7 +10,8 @@ import json
 import math
 from pathlib import Path
 
-from .files import AttnError, atomic_path
+from .errors import AttnError
+from .files import atomic_path
 from .formats import METRICS_FILE
 
 X_AXES = ("step", "time", "both")

@@ -103,29 +103,71 @@ class SearchModel(Protocol):
 
 
 class Constraint(Protocol):
-    """Which tokens each hypothesis may take next (`attn_cli.tree_search.TreeConstraint`). Its
-    state holds a (B', K) row per live hypothesis: B' sentences still searching, K beams."""
-
-    def start(self, batch: int, beam: int, device) -> Any: ...
+    """Which tokens each hypothesis may take next (`Unconstrained`, below, or parsing's
+    `attn_cli.tree_search.TreeConstraint`). Its state holds a (B', K) row per live hypothesis:
+    B' sentences still searching, K beams."""
 
     eos_column: int  # where EOS is among the candidates' columns
 
-    def candidates(self, log_probs: Tensor, state: Any, active: Tensor,
-                   steps_left: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Of the (B', K, V) log-probabilities, the only tokens that may ever come next: their
-        scores as the constraint scores them, whether each may come next, and their token ids,
-        each (B', K, C)."""
+    def to(self, device) -> "Constraint":
+        """The constraint with its tensors on `device`."""
+
+    def start(self, batch: int, beam: int, device) -> Any:
+        """The state of `beam` hypotheses for each of `batch` sentences, before any token."""
+
+    def candidates(self, log_probs: Tensor, state: Any, active: Tensor, steps_left: Tensor,
+                   at_limit: Tensor) -> tuple[Tensor, Any]:
+        """Of the (B', K, V) log-probabilities, what the search ranks (B', K, C): the scores of
+        the only tokens that may ever come next, -inf where one may not come now (except in
+        rows `at_limit`, where the search takes EOS), and what `token_ids` needs to name
+        them. `active` (B'): each row's sentence; `steps_left` (B',): tokens that may still
+        follow."""
+
+    def token_ids(self, columns: Any, origin: Tensor, picked: Tensor) -> Tensor:
+        """The token ids of the candidates `picked` (B', 2K) of the beams `origin` (B', 2K)."""
 
     def advance(self, state: Any, origin: Tensor, tokens: Tensor) -> Any:
         """The state of each candidate: beam `origin` (B', C) extended by `tokens` (B', C)."""
 
-    def longest(self, state: Any, chosen: Tensor, active: Tensor, length: int) -> Tensor:
+    def bound(self, state: Any, chosen: Tensor, active: Tensor, length: int,
+              limit: Tensor) -> Tensor:
         """(B',) the longest output, EOS included, that the candidates `chosen` (B', K), each
-        `length` tokens so far, can still grow into: a bound for the early stop."""
+        `length` tokens so far, can still grow into, at most `limit`: the early stop's bound."""
 
     def select(self, state: Any, chosen: Tensor, kept: Tensor | None) -> Any:
         """The state of the candidates `chosen` (B', K) of each sentence, then of the sentences
         `kept` only (None: all)."""
+
+
+class Unconstrained:
+    """The constraint of a free search (translation): any token may come next, and the
+    candidates are the vocabulary itself. Each method is the identity of its part."""
+
+    def __init__(self, eos_id: int):
+        self.eos_column = eos_id
+
+    def to(self, device) -> "Unconstrained":
+        return self
+
+    def start(self, batch: int, beam: int, device) -> None:
+        return None
+
+    def candidates(self, log_probs: Tensor, state: None, active: Tensor, steps_left: Tensor,
+                   at_limit: Tensor) -> tuple[Tensor, None]:
+        return log_probs, None
+
+    def token_ids(self, columns: None, origin: Tensor, picked: Tensor) -> Tensor:
+        return picked
+
+    def advance(self, state: None, origin: Tensor, tokens: Tensor) -> None:
+        return None
+
+    def bound(self, state: None, chosen: Tensor, active: Tensor, length: int,
+              limit: Tensor) -> Tensor:
+        return limit
+
+    def select(self, state: None, chosen: Tensor, kept: Tensor | None) -> None:
+        return None
 
 
 @torch.inference_mode()
@@ -138,9 +180,9 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
     """src_tokens (B, S), padded with pad_id and ending in EOS → for each sentence, its `nbest`
     best hypotheses, best first. `longest` caps every output length (a model with learned
     positions has no position past its table). `constraint` says which tokens each hypothesis
-    may take next. `stop` says when a sentence's search ends (`Stop`). `beam=1` is greedy
-    decoding, as tensor2tensor does for a beam of one: the most probable token at each step
-    until EOS (the length penalty then only scales the reported score).
+    may take next (None: any). `stop` says when a sentence's search ends (`Stop`). `beam=1` is
+    greedy decoding, as tensor2tensor does for a beam of one: the most probable token at each
+    step until EOS (the length penalty then only scales the reported score).
 
     Each step, the 2K best extensions of a sentence's K beams are ranked: an EOS among the first
     K finishes a hypothesis, and the first K that are not EOS live on (one EOS at most per beam,
@@ -157,40 +199,32 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
     # full step's work for nothing).
     cache = model.start_decoding(memory, src_mask)
     live = Beams.start(batch, config.bos_id, device)
-    state = constraint.start(batch, 1, device) if constraint is not None else None
+    constraint = (constraint or Unconstrained(config.eos_id)).to(device)
+    state = constraint.start(batch, 1, device)
 
     for step in range(int(limits.max())):
         logits, cache = model.decode_step(live.tokens.view(-1), cache)
         log_probs = torch.log_softmax(logits.float(), dim=-1).view(*live.scores.shape, -1)
         log_probs[..., banned] = -math.inf  # never chosen, but not renormalised away
         limit = limits[live.active]  # (B',)
-        eos = config.eos_id
-        if constraint is not None:  # rank only the tokens that may come next
-            log_probs, allowed, columns = constraint.candidates(log_probs, state, live.active,
-                                                                limit - step - 1)
-            log_probs.masked_fill_(~(allowed | (limit <= step + 1).view(-1, 1, 1)), -math.inf)
-            eos = constraint.eos_column
-        only_eos_at_limit(log_probs, limit <= step + 1, eos)
-        best, origin, tokens = topk_over_beams(live.scores, log_probs, 2 * beam)
-        if constraint is not None:  # columns → token ids
-            tokens = columns.flatten(1).gather(1, origin * columns.shape[-1] + tokens)
-        if constraint is not None:
-            state = constraint.advance(state, origin, tokens)
+        at_limit = limit <= step + 1
+        log_probs, columns = constraint.candidates(log_probs, state, live.active,
+                                                   limit - step - 1, at_limit)
+        only_eos_at_limit(log_probs, at_limit, constraint.eos_column)
+        best, origin, picked = topk_over_beams(live.scores, log_probs, 2 * beam)
+        tokens = constraint.token_ids(columns, origin, picked)
+        state = constraint.advance(state, origin, tokens)
         ends = tokens == config.eos_id  # (B', 2K)
         finished.collect(best, origin, ends, live, beam, length_penalty(step + 1, alpha))
         chosen = first_not_ending(ends, beam)  # (B', K)
         scores = best.gather(1, chosen)
-        longest = limit
-        if constraint is not None:  # the early stop's bound, as tight as the constraint allows
-            longest = torch.minimum(limit, constraint.longest(state, chosen, live.active,
-                                                              step + 1))
-        done = sentences_done(scores, finished.kth_best[live.active], longest, alpha, beam,
+        bound = constraint.bound(state, chosen, live.active, step + 1, limit)
+        done = sentences_done(scores, finished.kth_best[live.active], bound, alpha, beam,
                               stop, finished.best_ended[live.active])
         kept = (~done).nonzero().squeeze(1) if done.any() else None
         if kept is not None and len(kept) == 0:
             break
-        if constraint is not None:
-            state = constraint.select(state, chosen, kept)
+        state = constraint.select(state, chosen, kept)
         live, cache = live.advance(scores, origin.gather(1, chosen), tokens.gather(1, chosen),
                                    kept, cache)
     return finished.best()

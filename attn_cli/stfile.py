@@ -18,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import AttnError, atomic_output, check_readable
+from .errors import AttnError
+from .files import atomic_output, check_readable
+from .formats import FORMAT_DESCRIPTIONS, FORMAT_VERSIONS
 
 NUMPY_DTYPES = {"U8": np.uint8, "I32": np.int32, "I64": np.int64, "F32": np.float32,
                 "F16": np.float16, "BF16": None, "I8": np.int8, "I16": np.int16,
@@ -72,6 +74,27 @@ def read_header(path: str | os.PathLike, what: str = "file") -> Header:
             raise AttnError(f"{what} {path} is truncated ({size} bytes, tensor {name!r} "
                             f"needs {data_start + end})")
     return Header(tensors=header, metadata=metadata, data_start=data_start)
+
+
+def read_attn_header(path: str | os.PathLike, expected: str, what: str,
+                     remedy: str = "") -> Header:
+    """`read_header`, then the check that the file is of the attn format `expected`
+    (formats.FORMAT_DESCRIPTIONS) in the version this attn reads: what every attn file goes
+    through. A file of another kind is named as what it is; `remedy` ends the message."""
+    header = read_header(path, what)
+    description = FORMAT_DESCRIPTIONS[expected]
+    found = header.metadata.get("format")
+    if found != expected:
+        kind = FORMAT_DESCRIPTIONS.get(found)
+        detail = (f"is {kind}, not {description}" if kind else
+                  f"is not {description} (no attn metadata)" if found is None else
+                  f"is not {description} (its format is {found!r})")
+        raise AttnError(f"{what} {path} {detail}{remedy}")
+    version = header.metadata.get("format_version")
+    if version != FORMAT_VERSIONS[expected]:
+        raise AttnError(f"{what} {path} has format version {version}; this attn reads version "
+                        f"{FORMAT_VERSIONS[expected]}{remedy}")
+    return header
 
 
 def memmap_tensor(path: str | os.PathLike, header: Header, name: str) -> np.ndarray:

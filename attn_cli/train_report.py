@@ -8,11 +8,11 @@ import sys
 
 import torch
 
-from .config import ModelConfig, Preset, get_preset
+from .batching import BatchPlan, batch_plan
+from .config import ModelConfig, Preset, Recipe, TrainOptions, get_preset
 from .data import ParallelData
-from .files import AttnError
+from .errors import AttnError
 from .model import Transformer
-from .training import BatchPlan, Recipe, TrainOptions, batch_plan
 
 
 class TrainingDisplay:

@@ -8,6 +8,7 @@ file streams through in windows of `buffer_size` lines.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import queue
@@ -20,15 +21,20 @@ from dataclasses import dataclass
 
 import torch
 
-from .devices import pack_for_cpu_inference
-from .files import STRICT, AttnError, Utf8Policy
+from .batching import pad_sequences, token_budget_batches
+from .devices import inference_dtype, pack_for_cpu_inference
+from .ensemble import Ensemble, load_models
+from .errors import AttnError
+from .files import STRICT, Utf8Policy
 from .formats import BATCH_TOKENS, BUFFER_SIZE, MAX_SOURCE_TOKENS, TRANSLATION, Stop
 from .modelfile import LoadedModel
 from .search import Hypothesis, beam_search, output_limits, sample, sentence_uniforms
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodeOptions:
+    """How `attn decode` and `attn parse` search (or sample), checked as they are made."""
+
     beam: int = TRANSLATION.beam
     alpha: float = TRANSLATION.alpha
     max_len_a: float = TRANSLATION.max_len_a
@@ -47,6 +53,15 @@ class DecodeOptions:
     workers: int = 1  # batches searched at once, each by its own thread
     worker_threads: int = 1  # torch threads of each of those
 
+    def __post_init__(self) -> None:
+        if self.sample and self.nbest > 1:
+            raise AttnError("--nbest needs beam search, not --sample (sample again with "
+                            "another --seed for more outputs)")
+        if self.topp <= 0.0 or self.temperature <= 0.0:
+            raise AttnError("--topp and --temperature must be above 0")
+        if (self.topk or self.topp < 1.0 or self.temperature != 1.0) and not self.sample:
+            raise AttnError("--topk, --topp and --temperature apply to --sample only")
+
 
 @dataclass
 class DecodeStats:
@@ -55,6 +70,14 @@ class DecodeStats:
     seconds: float = 0.0
     truncated: int = 0
     replaced: int = 0  # lines whose invalid UTF-8 was replaced by U+FFFD
+
+    def record(self) -> dict:
+        """The summary as one JSON object (`--stats-json`)."""
+        return {"sentences": self.sentences, "output_tokens": self.output_tokens,
+                "seconds": self.seconds,
+                "sentences_per_s": self.sentences / max(self.seconds, 1e-9),
+                "tokens_per_s": self.output_tokens / self.seconds if self.seconds else 0.0,
+                "truncated": self.truncated, "replaced": self.replaced}
 
     def summary(self) -> str:
         rate = self.output_tokens / self.seconds if self.seconds else 0.0
@@ -136,76 +159,6 @@ def _unlocked_lines(stream) -> Iterator[bytes]:
         yield b"".join(pending)
 
 
-def token_budget_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Indices sorted by length, cut so that sentences × longest ≤ batch_tokens (source side)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches, current, longest = [], [], 0
-    for index in order:
-        longest_if_added = max(longest, lengths[index])
-        if current and longest_if_added * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current, longest_if_added = [], lengths[index]
-        current.append(index)
-        longest = longest_if_added
-    if current:
-        batches.append(current)
-    return batches
-
-
-def pad_sequences(rows: list[list[int]], pad_id: int) -> torch.Tensor:
-    """(B, longest) int64, each row left-aligned and padded with `pad_id`."""
-    out = torch.full((len(rows), max(len(row) for row in rows)), pad_id, dtype=torch.long)
-    for index, row in enumerate(rows):
-        out[index, :len(row)] = torch.tensor(row, dtype=torch.long)
-    return out
-
-
-class Ensemble:
-    """Several models searched as one (`attn decode -m A -m B`): each step's next-token
-    log-probabilities are the average of the models' (a product of experts, which the search's
-    log-softmax renormalises). The models share their vocabularies; their architectures may
-    differ. Implements what the search needs of a model (`search.SearchModel`)."""
-
-    def __init__(self, models: list[torch.nn.Module]):
-        self.models = models
-        self.config = models[0].config  # the special ids, the same in every model
-
-    def encode(self, src_tokens: torch.Tensor):
-        encoded = [model.encode(src_tokens) for model in self.models]
-        return encoded, encoded[0][1]
-
-    def start_decoding(self, memory, src_mask) -> "EnsembleCache":
-        return EnsembleCache(tuple(model.start_decoding(*encoded)
-                                   for model, encoded in zip(self.models, memory)))
-
-    def decode_step(self, tokens: torch.Tensor, cache: "EnsembleCache"):
-        steps = [model.decode_step(tokens, part) for model, part in zip(self.models,
-                                                                       cache.parts)]
-        log_probs = torch.stack([torch.log_softmax(logits.float(), dim=-1)
-                                 for logits, _ in steps]).mean(dim=0)
-        return log_probs, EnsembleCache(tuple(part for _, part in steps))
-
-
-@dataclass(frozen=True)
-class EnsembleCache:
-    """The decoder caches of an ensemble's models, reordered together."""
-
-    parts: tuple
-
-    def reorder(self, rows: torch.Tensor, sources: torch.Tensor | None = None):
-        return EnsembleCache(tuple(part.reorder(rows, sources) for part in self.parts))
-
-
-def check_same_vocabularies(models: list[LoadedModel], names: list[str]) -> None:
-    """An ensemble's models must read and write the same pieces."""
-    first = models[0]
-    for other, name in zip(models[1:], names[1:]):
-        if (other.src_vocab.checksum != first.src_vocab.checksum
-                or other.tgt_vocab.checksum != first.tgt_vocab.checksum):
-            raise AttnError(f"{name} has another vocabulary than {names[0]}: the models of an "
-                            "ensemble must share their vocabularies")
-
-
 class Translator:
     """A loaded model (or several: an ensemble) plus the search settings: lines in,
     hypotheses out."""
@@ -215,7 +168,8 @@ class Translator:
                  ensemble: list[LoadedModel] = ()):
         self.loaded, self.options, self.device = loaded, options, device
         # Inference in bf16/fp16 converts the weights once (no per-call autocast casts): on a
-        # CPU with native bf16 (AMX, AVX512-BF16) the matmuls run about twice as fast.
+        # CPU with native bf16 (AMX, AVX512-BF16) beam search runs 1.1-1.3x faster
+        # (devices.inference_dtype).
         precision = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
         models = []
         for member in (loaded, *ensemble):
@@ -333,13 +287,6 @@ class Translator:
         return [f"{index}\t{h.score:.4f}\t{text}" for h, text in padded]
 
 
-def set_threads(threads: int) -> int:
-    """Torch threads of this (the calling) thread: `threads`, or every core for 0."""
-    threads = threads or os.cpu_count() or 1
-    torch.set_num_threads(threads)
-    return threads
-
-
 def search_workers(threads: int, workers: int, device: torch.device) -> tuple[int, int]:
     """(batches searched side by side, torch threads of each). 0 (auto): on a CPU one batch
     per thread with one torch thread each (measured fastest: benchmarks/), on a GPU one batch
@@ -349,41 +296,27 @@ def search_workers(threads: int, workers: int, device: torch.device) -> tuple[in
     return workers, max(1, threads // workers)
 
 
-def prepare_model(model_path, device: str = "auto", threads: int = 0
-                  ) -> tuple[LoadedModel, torch.device, int]:
-    """A model file loaded for inference: on `device` (auto: a GPU when torch sees one), with
-    this thread's torch threads set (0: every core). Returns (model, device, threads)."""
-    from .devices import pick_device
-    from .modelfile import load_model
-
-    threads = set_threads(threads)
-    chosen = pick_device(device)
-    return load_model(model_path, device=chosen), chosen, threads
-
-
 def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "auto",
                     dtype: str = "auto", threads: int = 0, workers: int = 0, warn=None,
-                    **options) -> Translator:
-    """A model file made ready to decode: the device (auto: a GPU when torch sees one),
-    the precision (auto: bf16 on CUDA, fp32 on a CPU), the CPU threads (0: every core) and
-    how many batches are searched side by side (0: auto), with the search settings of
-    `DecodeOptions` (beam, alpha, max_len_a, max_len_b, nbest, batch_tokens, ...). This is
-    what `attn decode` and `attn parse` run; from Python:
+                    constraint_for=None, **options) -> Translator:
+    """A model file (a list of them: an ensemble) made ready to decode: the device (auto: a GPU
+    when torch sees one), the precision (auto: bf16 on CUDA, fp32 on a CPU), the CPU threads (0:
+    every core) and how many batches are searched side by side (0: auto), with the search
+    settings of `DecodeOptions` (beam, alpha, max_len_a, max_len_b, nbest, batch_tokens, ...).
+    `constraint_for(loaded model)`, if given, makes the search constraint's factory for that
+    model (`tree_search.tree_constraints`: parsing). This is what `attn decode` and `attn parse`
+    run; from Python:
 
         translator = load_translator("model.st")
         translator.translate(["A man is riding a bike."])  # ["Ein Mann fährt Fahrrad."]
     """
-    from .devices import inference_dtype
-    from .modelfile import load_model
-
+    settings = DecodeOptions(beam=beam, **options)  # checked before the models load
     paths = list(model_path) if isinstance(model_path, (list, tuple)) else [model_path]
-    loaded, chosen, threads = prepare_model(paths[0], device, threads)
-    ensemble = [load_model(path, device=chosen) for path in paths[1:]]
-    check_same_vocabularies([loaded, *ensemble], [str(path) for path in paths])
+    (loaded, *ensemble), chosen, threads = load_models(paths, device, threads)
     workers, worker_threads = search_workers(threads, workers, chosen)
-    settings = DecodeOptions(beam=beam, workers=workers, worker_threads=worker_threads,
-                             **options)
+    settings = dataclasses.replace(settings, workers=workers, worker_threads=worker_threads)
     return Translator(loaded, settings, chosen, inference_dtype(dtype, chosen), warn=warn,
+                      constraint_for=constraint_for(loaded) if constraint_for else None,
                       ensemble=ensemble)
 
 

@@ -5,9 +5,13 @@ how a parser model's vocabulary spells its terminals. Plugs into `search.beam_se
 
 from __future__ import annotations
 
+import copy
+import math
+
 import torch
 from torch import Tensor
 
+from .formats import WORD_SCORES
 from .trees import PLACEHOLDER, terminal_word
 
 
@@ -18,6 +22,18 @@ def model_terminals(tgt_vocab) -> str:
     processor = tgt_vocab.processor
     placeholder = processor.piece_to_id("\u2581" + PLACEHOLDER)
     return "placeholders" if placeholder != processor.unk_id() else "words"
+
+
+def tree_constraints(terminals: str = "auto", score_words: str = "given"):
+    """What `translate.load_translator(constraint_for=...)` takes for `attn parse --constrain`:
+    given a parser model, its `tree_constraint_for`, with the terminals the model spells
+    (`model_terminals`) unless `terminals` says."""
+
+    def for_model(loaded):
+        kind = model_terminals(loaded.tgt_vocab) if terminals == "auto" else terminals
+        return tree_constraint_for(loaded.tgt_vocab, loaded.config.eos_id, kind, score_words)
+
+    return for_model
 
 
 def tree_constraint_for(tgt_vocab, eos_id: int, terminals: str, score_words: str = "given"):
@@ -49,7 +65,6 @@ class TreeConstraint:
     state per hypothesis is (terminals emitted, open brackets, opening brackets in a row)."""
 
     NEVER, TERMINAL, OPEN, CLOSE, END = range(5)
-    WORD_SCORES = ("given", "joint")
     # Opening brackets in a row (a unary chain and the phrases it starts): at most 6 in the
     # Penn Treebank sample; the bound keeps a search from stalling on brackets alone.
     MAX_OPEN_RUN = 8
@@ -57,6 +72,8 @@ class TreeConstraint:
     def __init__(self, piece_classes: Tensor, word_counts: list[int],
                  required: list[list[int]] | None = None,
                  piece_starts_word: Tensor | None = None, score_words: str = "given"):
+        if score_words not in WORD_SCORES:
+            raise ValueError(f"score_words must be one of {WORD_SCORES}, not {score_words!r}")
         self.piece_classes = piece_classes  # (V,) long: the class of every vocabulary piece
         self.piece_starts_word = piece_starts_word  # (V,) bool: the piece begins a word
         # With word terminals the input fixes the words; only the brackets are to be found.
@@ -66,6 +83,7 @@ class TreeConstraint:
         # "joint" scores the input's own pieces, p(tree and words).
         self.score_words = score_words
         self.word_counts = word_counts  # terminals per sentence of the batch
+        self.word_count_of = torch.tensor(word_counts, dtype=torch.long)
         self.required = None  # (B, longest + 1): each sentence's terminal pieces, padded
         self.boundary = None  # (B, longest + 1): a bracket may come before that piece
         if required is not None:
@@ -77,6 +95,18 @@ class TreeConstraint:
                 self.required[row, :len(ids)] = pieces
                 if piece_starts_word is not None:
                     self.boundary[row, :len(ids)] = piece_starts_word[pieces]
+        # The columns a step ranks: the brackets and EOS, and the placeholder terminals; with
+        # word terminals the sentence's next piece is one more column of each row's own. Every
+        # other piece is never allowed, so the search ranks ~50 columns, not the vocabulary.
+        kinds = [self.OPEN, self.CLOSE, self.END] + (
+            [self.TERMINAL] if self.required is None else [])
+        self.columns = torch.isin(piece_classes, torch.tensor(kinds)).nonzero().squeeze(1)  # (F,)
+        self.column_classes = piece_classes[self.columns]
+        self.eos_column = int((self.column_classes == self.END).nonzero()[0])
+        self.word_starts = None  # the pieces that start a word, which "given" sums over
+        if self.required is not None:
+            self.word_starts = ((piece_classes == self.TERMINAL)
+                                & self.piece_starts_word).nonzero().squeeze(1)
 
     @classmethod
     def for_pieces(cls, pieces: list[str], eos_id: int, word_counts: list[int],
@@ -105,29 +135,31 @@ class TreeConstraint:
         return TreeConstraint(self.piece_classes, word_counts, required, self.piece_starts_word,
                               self.score_words)
 
+    def to(self, device) -> "TreeConstraint":
+        """This constraint with its tensors on `device`."""
+        moved = copy.copy(self)
+        for name in ("piece_classes", "word_count_of", "columns", "column_classes", "required",
+                     "boundary", "word_starts"):
+            tensor = getattr(self, name)
+            setattr(moved, name, None if tensor is None else tensor.to(device))
+        return moved
+
     def start(self, batch: int, beam: int, device) -> tuple[Tensor, Tensor, Tensor]:
-        self.piece_classes = self.piece_classes.to(device)
-        self.word_count_of = torch.tensor(self.word_counts, dtype=torch.long, device=device)
-        # The columns a step ranks: the brackets and EOS, and the placeholder terminals; with
-        # word terminals the sentence's next piece is one more column of each row's own. Every
-        # other piece is never allowed, so the search ranks ~50 columns, not the vocabulary.
-        kinds = [self.OPEN, self.CLOSE, self.END] + (
-            [self.TERMINAL] if self.required is None else [])
-        self.columns = torch.isin(self.piece_classes, torch.tensor(kinds, device=device)
-                                  ).nonzero().squeeze(1)  # (F,)
-        self.column_classes = self.piece_classes[self.columns]
-        self.eos_column = int((self.column_classes == self.END).nonzero()[0])
-        if self.required is not None:
-            self.required = self.required.to(device)
-            self.boundary = self.boundary.to(device)
-            # the pieces that start a word, which "given" sums over
-            self.word_starts = ((self.piece_classes == self.TERMINAL)
-                                & self.piece_starts_word.to(device)).nonzero().squeeze(1)
+        """Every hypothesis's state at the start: no terminal placed, no bracket open."""
         zeros = torch.zeros(batch, beam, dtype=torch.long, device=device)
         return zeros, zeros.clone(), zeros.clone()
 
     def candidates(self, log_probs: Tensor, state: tuple[Tensor, Tensor, Tensor],
-                   active: Tensor, steps_left: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                   active: Tensor, steps_left: Tensor, at_limit: Tensor) -> tuple[Tensor, Tensor]:
+        """`next_tokens`' scores, -inf where a token may not come next (anything goes in a row
+        at its length limit (`at_limit` (B',)): the search then takes its EOS), and their token
+        ids: what the search ranks."""
+        scores, allowed, tokens = self.next_tokens(log_probs, state, active, steps_left)
+        scores.masked_fill_(~(allowed | at_limit.view(-1, 1, 1)), -math.inf)
+        return scores, tokens
+
+    def next_tokens(self, log_probs: Tensor, state: tuple[Tensor, Tensor, Tensor],
+                    active: Tensor, steps_left: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The tokens that may come next, of the (B', K, V) log-probabilities of the live
         hypotheses: (their scores, whether each is allowed, their token ids), each (B', K, C).
         `active` (B'): the sentence of each row; `steps_left` (B',): the tokens that may still
@@ -152,6 +184,11 @@ class TreeConstraint:
         return (torch.cat([scores, piece_score], dim=-1),
                 torch.cat([allowed, by_class[..., self.TERMINAL, None]], dim=-1),
                 torch.cat([tokens, next_piece], dim=-1))
+
+    def token_ids(self, columns: Tensor, origin: Tensor, picked: Tensor) -> Tensor:
+        """The token ids of the candidates the search `picked` (B', 2K), columns of the rows
+        `origin` (B', 2K) of `columns` (B', K, C) (`candidates`)."""
+        return columns.flatten(1).gather(1, origin * columns.shape[-1] + picked)
 
     def allowed_classes(self, state: tuple[Tensor, Tensor, Tensor], active: Tensor,
                         steps_left: Tensor) -> Tensor:
@@ -200,6 +237,11 @@ class TreeConstraint:
         placed, depth, _ = (part.gather(1, chosen) for part in state)
         missing = (self.word_count_of[active].unsqueeze(-1) - placed).clamp(min=0)
         return (length + missing * (1 + 2 * self.MAX_OPEN_RUN) + depth + 1).amax(dim=1)
+
+    def bound(self, state: tuple[Tensor, Tensor, Tensor], chosen: Tensor, active: Tensor,
+              length: int, limit: Tensor) -> Tensor:
+        """(B',) the early stop's bound: `longest`, or the length `limit` if that is less."""
+        return torch.minimum(limit, self.longest(state, chosen, active, length))
 
     def select(self, state: tuple[Tensor, Tensor, Tensor], chosen: Tensor,
                kept: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:

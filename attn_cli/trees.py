@@ -1,6 +1,7 @@
 """Constituency trees for `attn parse` (§6.3): reading the Penn Treebank, the clean-up every
 parsing paper applies, the linearization the sequence-to-sequence setup of Vinyals & Kaiser et
-al. (2015) uses, the repair that turns any model output into a well-formed tree, and EVALB.
+al. (2015) uses, and the repair that turns any model output into a well-formed tree (EVALB, which
+scores trees, is evalb.py).
 
 Pure Python, no torch. A tree is `Tree(label, children)`; a child is a Tree or a word (str).
 """
@@ -8,15 +9,13 @@ Pure Python, no torch. A tree is `Tree(label, children)`; a child is a Tree or a
 from __future__ import annotations
 
 import re
-from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-from .files import AttnError
+from .errors import AttnError
 
 PLACEHOLDER = "XX"  # every POS tag in linearized trees (EVALB does not score tags)
 ROOT = "TOP"  # the outer bracket; Penn Treebank files leave it unlabelled
-EQUIVALENT_LABELS = {"PRT": "ADVP"}  # COLLINS.prm's EQ_LABEL ADVP PRT
 BRACKET_ESCAPES = {"(": "-LRB-", ")": "-RRB-"}
 # Deepest nesting `delinearize` builds. Gold trees of the Penn Treebank sample nest at most ~30
 # deep; an untrained parser can open hundreds of brackets in a row, and the tree functions
@@ -227,156 +226,3 @@ def merge_unary_repeats(tree: Tree) -> Tree:
            and not children[0].is_preterminal and children[0].label == tree.label):
         children = children[0].children
     return Tree(tree.label, children)
-
-
-# ------------------------------------------------------------------------------------- EVALB
-#
-# EVALB (Sekine & Collins, 1997) with COLLINS.prm, the parameter file parsing papers report
-# with, rule for rule, on both trees alike:
-# - terminals tagged with a DELETE_LABEL (-NONE-, the punctuation tags) are not words;
-# - a bracket's label is cut at its first '-' or '=' (NP-SBJ-1 → NP, PP=2 → PP);
-# - brackets labelled TOP, or over no remaining word, are not counted; ADVP equals PRT;
-# - gold and test must have the same words, else the sentence is an "error sentence": reported,
-#   not scored, and more than MAX_ERROR of them end the run; a test tree without words (an
-#   empty line) is a "skip sentence", not scored either;
-# - sentences of at most CUTOFF_LEN words, -NONE- not counted, are also scored apart.
-# One addition: a test terminal tagged with the placeholder XX (what `attn parse` writes, as
-# every tagless parser does) takes the gold tag of its position, which is what one does before
-# giving such output to EVALB (else every sentence with punctuation is an error sentence).
-
-DELETED_LABELS = frozenset({"TOP", "-NONE-", ",", ":", "``", "''", "."})  # DELETE_LABEL
-NOT_COUNTED_FOR_LENGTH = frozenset({"-NONE-"})  # DELETE_LABEL_FOR_LENGTH
-CUTOFF_LENGTH = 40  # CUTOFF_LEN
-MAX_ERRORS = 10  # MAX_ERROR
-
-
-def evalb_label(label: str) -> str:
-    """EVALB's label of a bracket: cut at the first '-' or '=' (so NP-SBJ-1 → NP), then
-    ADVP = PRT. Unlike `base_label`, '|' is kept (EVALB keeps ADVP|PRT whole)."""
-    cut = re.split(r"[-=]", label, maxsplit=1)[0]
-    return EQUIVALENT_LABELS.get(cut, cut)
-
-
-class EvalbMismatch(Exception):
-    """A test tree EVALB cannot compare with its gold tree: an error sentence."""
-
-
-@dataclass
-class EvalbTree:
-    """What EVALB sees of a tree: its words, its counted brackets, its terminals' tags."""
-
-    words: list[str]  # without the deleted terminals (traces, punctuation)
-    brackets: Counter  # (label, start, end) over `words`, a multiset
-    tags: list[str]  # of every terminal but -NONE- (punctuation included)
-
-    @property
-    def length(self) -> int:
-        """Words for the length cut-off: every terminal but -NONE-."""
-        return len(self.tags)
-
-
-def evalb_tree(tree: Tree, gold_tags: list[str] | None = None) -> EvalbTree:
-    """A tree as EVALB reads it. `gold_tags` (the gold tree's, -NONE- left out) stand in for the
-    test tree's placeholder tags. Raises EvalbMismatch for a word outside a preterminal."""
-    words: list[str] = []
-    brackets: Counter = Counter()
-    tags: list[str] = []
-
-    def walk(node: Tree) -> None:
-        if node.is_preterminal:
-            tag = node.label
-            if tag not in NOT_COUNTED_FOR_LENGTH:
-                if tag == PLACEHOLDER and gold_tags is not None and len(tags) < len(gold_tags):
-                    tag = gold_tags[len(tags)]
-                tags.append(tag)
-            if tag not in DELETED_LABELS:
-                words.append(node.children[0])
-            return
-        start = len(words)
-        for child in node.children:
-            if isinstance(child, str):
-                raise EvalbMismatch(f"the word {child!r} has no tag of its own")
-            walk(child)
-        label = evalb_label(node.label)
-        if len(words) > start and label not in DELETED_LABELS:
-            brackets[(label, start, len(words))] += 1
-
-    walk(tree)
-    return EvalbTree(words, brackets, tags)
-
-
-@dataclass
-class BracketCounts:
-    """EVALB's totals over sentences; the bracket counts sum over the valid ones only."""
-
-    matched: int = 0
-    gold: int = 0
-    test: int = 0
-    sentences: int = 0  # all of them, error and skip sentences included
-    exact: int = 0
-    crossing: int = 0
-    errors: int = 0
-    skipped: int = 0
-
-    def add(self, other: "BracketCounts") -> None:
-        for name in (counted.name for counted in fields(self)):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    @property
-    def valid(self) -> int:
-        return self.sentences - self.errors - self.skipped
-
-    @property
-    def precision(self) -> float:
-        return 100.0 * self.matched / self.test if self.test else 0.0
-
-    @property
-    def recall(self) -> float:
-        return 100.0 * self.matched / self.gold if self.gold else 0.0
-
-    @property
-    def f1(self) -> float:
-        p, r = self.precision, self.recall
-        return 2 * p * r / (p + r) if p + r else 0.0
-
-    @property
-    def exact_match(self) -> float:
-        """Complete match: the share of valid sentences whose brackets all match."""
-        return 100.0 * self.exact / self.valid if self.valid else 0.0
-
-    @property
-    def average_crossing(self) -> float:
-        return self.crossing / self.valid if self.valid else 0.0
-
-
-def _crosses(a: tuple[str, int, int], b: tuple[str, int, int]) -> bool:
-    (_, a_start, a_end), (_, b_start, b_end) = a, b
-    return a_start < b_start < a_end < b_end or b_start < a_start < b_end < a_end
-
-
-def evalb_sentence(gold: Tree | EvalbTree, test: Tree | None) -> BracketCounts:
-    """One sentence's counts (`gold` as read, or already as EVALB sees it). A test tree with no
-    words (or None: nothing on its line) is a skip sentence; EvalbMismatch says why it is an
-    error sentence."""
-    gold_view = gold if isinstance(gold, EvalbTree) else evalb_tree(gold)
-    if test is None:
-        return BracketCounts(sentences=1, skipped=1)
-    test_view = evalb_tree(test, gold_view.tags)
-    if not test_view.words:
-        return BracketCounts(sentences=1, skipped=1)
-    if len(test_view.words) != len(gold_view.words):
-        raise EvalbMismatch(f"{len(test_view.words)} words against the gold tree's "
-                            f"{len(gold_view.words)} (traces and punctuation not counted)")
-    for position, (gold_word, test_word) in enumerate(zip(gold_view.words, test_view.words)):
-        if gold_word != test_word:
-            raise EvalbMismatch(f"word {position + 1} is {test_word!r}, the gold tree's is "
-                                f"{gold_word!r}")
-    matched = sum((gold_view.brackets & test_view.brackets).values())
-    gold_count, test_count = sum(gold_view.brackets.values()), sum(test_view.brackets.values())
-    # Crossing is counted over the test brackets (EVALB's, by Mike Collins): each test bracket
-    # that crosses any gold bracket, once per occurrence.
-    crossing = sum(count for bracket, count in test_view.brackets.items()
-                   if any(_crosses(bracket, other) for other in gold_view.brackets))
-    return BracketCounts(matched, gold_count, test_count, sentences=1,
-                         exact=int(matched == gold_count == test_count), crossing=crossing)
-

@@ -7,27 +7,25 @@ references: sacreBLEU's corpus BLEU or chrF for translation, EVALB's F1 (COLLINS
 which training computes anyway). The references are the validation file's own target side,
 detokenized, unless a file is given (`--valid-ref`: raw reference text, or gold trees).
 
-`best_checkpoints` reads the scores back from metrics.jsonl: for `--keep-best` and
-`attn average --best`.
+The scores go to metrics.jsonl, where `checkpoints.scored_steps` reads them back for
+`--keep-best` and `attn average --best`.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from .batching import pad_sequences, token_budget_batches
 from .data import ParallelData
-from .files import AttnError, display_name
-from .formats import METRICS_FILE, PARSING, TRANSLATION, VALID_METRICS
-
-
-def metric_key(metric: str) -> str:
-    """The metrics.jsonl field holding the metric's validation score."""
-    return f"valid_{metric}"
+from .errors import AttnError
+from .evalb import EvalbMismatch, evalb_tree, trees_f1
+from .files import display_name, read_raw_lines
+from .formats import BATCH_TOKENS, EOS_ID, PARSING, TRANSLATION, VALID_METRICS
+from .search import beam_search
+from .tree_search import model_terminals, tree_constraint_for
+from .trees import delinearize, read_treebank
 
 
 @dataclass
@@ -44,9 +42,7 @@ class Validator:
 
     @classmethod
     def build(cls, metric: str, data: ParallelData, reference_path: str | None = None,
-              beam: int = 1, batch_tokens: int = 8000) -> "Validator":
-        from .formats import EOS_ID
-
+              beam: int = 1, batch_tokens: int = BATCH_TOKENS) -> "Validator":
         if metric not in VALID_METRICS or metric == "loss":
             raise AttnError(f"no validation decoding for the metric {metric!r}")
         tgt_vocab = data.tgt_vocab or data.src_vocab
@@ -64,9 +60,6 @@ class Validator:
 
     def hypotheses(self, model: torch.nn.Module) -> list[str]:
         """The model's output for every validation source, detokenized, in order."""
-        from .search import beam_search
-        from .translate import pad_sequences, token_budget_batches
-
         settings = PARSING if self.metric == "f1" else TRANSLATION
         constraint_for = self._tree_constraint(model) if self.metric == "f1" else None
         device = next(model.parameters()).device
@@ -95,8 +88,6 @@ class Validator:
         """Parsers are validated as the recipes parse, `attn parse --constrain`: well-formed
         trees over exactly the sentence's words. It also bounds each output by its words, where
         a half-trained parser's free search runs on to the length limit (|x| + 300)."""
-        from .tree_search import model_terminals, tree_constraint_for
-
         return tree_constraint_for(self.tgt_vocab, model.config.eos_id,
                                    model_terminals(self.tgt_vocab))
 
@@ -106,26 +97,13 @@ class Validator:
     def score_texts(self, texts: list[str]) -> float:
         if self.metric == "f1":
             return trees_f1(texts, self.words, self.references)
-        import sacrebleu
+        import sacrebleu  # only when scoring: its import is slow
 
         scorer = sacrebleu.corpus_bleu if self.metric == "bleu" else sacrebleu.corpus_chrf
         return float(scorer(texts, [self.references]).score)
 
 
-def trees_f1(sequences: list[str], words: list[list[str]], gold: list) -> float:
-    """EVALB's labelled-bracket F1 over linearized trees (repaired into trees over the words,
-    as `attn parse` does) against gold trees."""
-    from .trees import BracketCounts, delinearize, evalb_sentence, merge_unary_repeats
-
-    total = BracketCounts()
-    for sequence, sentence, gold_tree in zip(sequences, words, gold):
-        total.add(evalb_sentence(gold_tree, merge_unary_repeats(delinearize(sequence, sentence))))
-    return total.f1
-
-
 def _reference_lines(path: str, expected: int) -> list[str]:
-    from .scoring import read_raw_lines
-
     lines = [raw.decode("utf-8", errors="strict").rstrip("\r\n") for raw in read_raw_lines(path)]
     if len(lines) != expected:
         raise AttnError(f"{display_name(path)} has {len(lines)} lines, the validation data "
@@ -137,8 +115,6 @@ def _gold_trees(sequences: list[str] | None, words: list[list[str]], path: str |
                 expected: int) -> list:
     """Gold trees in EVALB's view: from a treebank file, or else the validation targets
     (linearized trees) rebuilt over the source words."""
-    from .trees import EvalbMismatch, delinearize, evalb_tree, read_treebank
-
     if path is None:
         trees = [delinearize(sequence, sentence) for sequence, sentence in zip(sequences, words)]
     else:
@@ -150,31 +126,3 @@ def _gold_trees(sequences: list[str] | None, words: list[list[str]], path: str |
         return [evalb_tree(tree) for tree in trees]
     except EvalbMismatch as error:
         raise AttnError(f"{display_name(path or 'the validation targets')}: {error}") from None
-
-
-# ---------------------------------------------------------------------- the best checkpoints
-
-
-def scored_steps(run_dir: str | Path, metric: str | None = None) -> tuple[str, dict[int, float]]:
-    """(metric, {step: validation score}) from a run's metrics.jsonl: the metric asked for, or
-    the one the run was validated by (its last validation row's `valid_metric`, else loss)."""
-    path = Path(run_dir) / METRICS_FILE
-    rows = []
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                rows.append(json.loads(line))
-    if metric is None:
-        named = [row["valid_metric"] for row in rows if "valid_metric" in row]
-        metric = named[-1] if named else "loss"
-    key = metric_key(metric)
-    scores = {int(row["step"]): float(row[key]) for row in rows
-              if key in row and math.isfinite(float(row[key]))}
-    return metric, scores
-
-
-def best_steps(scores: dict[int, float], metric: str, count: int) -> list[int]:
-    """The `count` best steps by score, best first (the later step first on a tie)."""
-    sign = -1.0 if VALID_METRICS[metric] == "higher" else 1.0
-    ranked = sorted(scores, key=lambda step: (sign * scores[step], -step))
-    return ranked[:count]

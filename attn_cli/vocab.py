@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from .files import STRICT, AttnError, Utf8Policy, atomic_output, check_readable, read_lines
+from .errors import AttnError
+from .files import STRICT, Utf8Policy, atomic_output, check_readable, read_lines
 from .formats import BOS_ID, EOS_ID, PAD_ID, SPECIAL_PIECES, UNK_ID
 
 

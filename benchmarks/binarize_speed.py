@@ -43,16 +43,13 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DATA_DIR = REPO_ROOT / "examples" / "multi30k" / "data"
+from _harness import BUNDLED_DATA, log
+
+DEFAULT_DATA_DIR = BUNDLED_DATA
 SIDES = ("en", "de")  # source, target
 SPEED_TARGET = 0.5  # ours / reference, at least
 MEMORY_TARGET = 1.5  # peak RSS 10x / peak RSS 1x, at most
 CONCATENATION = 10
-
-
-def log(message: str = "") -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def peak_rss_kib() -> int:

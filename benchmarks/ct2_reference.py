@@ -26,9 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from attn_cli.export import export_ct2  # noqa: E402
-from attn_cli.formats import (  # noqa: E402
+from _harness import BUNDLED_DATA
+
+from attn_cli.batching import token_budget_batches
+from attn_cli.export import export_ct2
+from attn_cli.formats import (
     BATCH_TOKENS,
     BOS_ID,
     EOS_ID,
@@ -37,10 +39,9 @@ from attn_cli.formats import (  # noqa: E402
     SPECIAL_PIECES,
     TRANSLATION,
 )
-from attn_cli.translate import token_budget_batches  # noqa: E402
-from attn_cli.vocab import Vocabulary  # noqa: E402
+from attn_cli.vocab import Vocabulary
 
-TEST_SET = Path(__file__).resolve().parent.parent / "examples/multi30k/data/test_2016_flickr.en.gz"
+TEST_SET = BUNDLED_DATA / "test_2016_flickr.en.gz"
 
 
 def convert(model_path: str, output_dir: str) -> str:

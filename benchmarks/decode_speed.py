@@ -26,10 +26,8 @@ ratios carry from one machine to another; the absolute figures are this machine'
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -37,43 +35,30 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-from machine import cpu_info  # noqa: E402  (benchmarks/machine.py)
+from _harness import attn_command, decode_stats, log, read_bundled
+from machine import cpu_info
 
-from attn_cli.formats import TRANSLATION  # noqa: E402
+from attn_cli.formats import TRANSLATION
 
-DATA_DIR = REPO_ROOT / "examples" / "multi30k" / "data"
 CT2_RATIO_TARGET = 1.0  # attn / CTranslate2 output tokens/s
 STARTUP_TARGET_S = 0.4  # one-sentence decode wall - `import torch` wall
 ONE_SENTENCE = "A man is riding a bike down the street.\n"
-SUMMARY = re.compile(r"(\d+) sentences, (\d+) output tokens .* in ([\d.]+)s")
-LOADED = re.compile(r"model loaded in ([\d.]+)s")
-
-
-def log(message: str = "") -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def read_gz(name: str) -> str:
-    with gzip.open(DATA_DIR / name, "rt", encoding="utf-8") as handle:
-        return handle.read()
 
 
 def decode(model: str, source: str, beam: int, extra: list[str]) -> dict:
-    command = [sys.executable, "-m", "attn_cli", "decode", "-m", model, "--beam", str(beam),
-               *extra]
-    started = time.perf_counter()
-    result = subprocess.run(command, input=source.encode(), capture_output=True, check=True)
-    wall = time.perf_counter() - started
-    stderr = result.stderr.decode()
-    sentences, tokens, seconds = SUMMARY.search(stderr).groups()
-    load = float(LOADED.search(stderr).group(1))
-    seconds = float(seconds)
-    return {"output": result.stdout.decode(), "sentences": int(sentences),
-            "tokens": int(tokens), "decode_s": seconds, "load_s": load,
+    with tempfile.TemporaryDirectory() as scratch:
+        stats_path = Path(scratch) / "stats.json"
+        command = [*attn_command(), "decode", "-m", model, "--beam", str(beam), *extra,
+                   "--stats-json", str(stats_path)]
+        started = time.perf_counter()
+        result = subprocess.run(command, input=source.encode(), capture_output=True, check=True)
+        wall = time.perf_counter() - started
+        stats = decode_stats(stats_path, result.stderr.decode())
+    seconds, load = stats["seconds"], stats["load_seconds"]
+    return {"output": result.stdout.decode(), "sentences": stats["sentences"],
+            "tokens": stats["output_tokens"], "decode_s": seconds, "load_s": load,
             "start_s": wall - seconds - load, "wall_s": wall,
-            "sentences_per_s": int(sentences) / seconds, "tokens_per_s": int(tokens) / seconds}
+            "sentences_per_s": stats["sentences_per_s"], "tokens_per_s": stats["tokens_per_s"]}
 
 
 def startup(model: str, repeats: int, extra: list[str]) -> dict:
@@ -84,7 +69,7 @@ def startup(model: str, repeats: int, extra: list[str]) -> dict:
         subprocess.run([sys.executable, "-c", "import torch"], check=True)
         torch_s.append(time.perf_counter() - started)
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "attn_cli", "decode", "-m", model, *extra],
+        subprocess.run([*attn_command(), "decode", "-m", model, *extra],
                        input=ONE_SENTENCE.encode(), capture_output=True, check=True)
         decode_s.append(time.perf_counter() - started)
     torch_median, decode_median = statistics.median(torch_s), statistics.median(decode_s)
@@ -119,14 +104,13 @@ def main() -> None:
     args = parser.parse_args()
     import sacrebleu
 
-    source = read_gz("test_2016_flickr.en.gz")
+    source = read_bundled("test_2016_flickr.en.gz")
     lines = source.splitlines()
-    references = read_gz("test_2016_flickr.de.gz").splitlines()
+    references = read_bundled("test_2016_flickr.de.gz").splitlines()
     extra = ["--threads", str(args.threads), *args.extra.split()]
     reference = None
     if not args.no_reference:
         try:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
             import ct2_reference as reference
         except ImportError:
             log("ctranslate2 is not installed: no same-run reference (pip install ctranslate2)")

@@ -67,19 +67,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))  # score this checkout's attn_cli, whatever is installed
+from _harness import SHARED, log  # this checkout's attn_cli, whatever is installed
 
-from attn_cli.files import AttnError  # noqa: E402
-from attn_cli.scoring import (  # noqa: E402
-    tree_scores,
-    tree_sentence_line,
-    tree_summary_line,
-    tree_totals,
-)
-from attn_cli.trees import PLACEHOLDER, ROOT, Tree, clean, read_treebank  # noqa: E402
+from attn_cli.errors import AttnError
+from attn_cli.evalb import tree_scores, tree_sentence_line, tree_summary_line, tree_totals
+from attn_cli.trees import PLACEHOLDER, ROOT, Tree, clean, read_treebank
 
-DEFAULT_TREEBANK = REPO_ROOT.parent / "shared" / "data" / "ptb"
+DEFAULT_TREEBANK = SHARED / "data" / "ptb"
 DEV_FILES = [f"wsj_{number:04d}.mrg" for number in range(160, 180)]
 # Passed to both: attn's max_errors and EVALB's -e (COLLINS.prm's MAX_ERROR). The error set has
 # 5 error sentences, well within it: the two do not stop at the same count (see the docstring).
@@ -134,11 +128,6 @@ ATTN_SUMMARY = re.compile(
     r"^EVALB\|COLLINS\.prm\|(?P<subset>[^|]+)\|sentences:(?P<sentences>\d+)\|valid:(?P<valid>\d+)"
     r"\|errors:(?P<errors>\d+)\|skipped:(?P<skipped>\d+) = F1 (?P<f1>\S+) P (?P<precision>\S+) "
     r"R (?P<recall>\S+) EX (?P<exact>\S+) CB (?P<crossing>\S+)$")
-ATTN_ERROR_LINE = re.compile(r":(\d+): error sentence")
-
-
-def log(message: str = "") -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------- tree helpers
@@ -500,9 +489,11 @@ def run_attn(gold_path: Path, test_path: Path) -> dict:
     """attn's two summary lines and its sentence-level lines, in this process."""
     warnings: list[str] = []
     result: dict = {"warnings": warnings}
+    sentences = []
     try:
-        sentences = list(tree_scores(str(gold_path), str(test_path), max_errors=MAX_ERRORS,
-                                     warn=warnings.append))
+        for sentence in tree_scores(str(gold_path), str(test_path), max_errors=MAX_ERRORS,
+                                    warn=warnings.append):
+            sentences.append(sentence)
         lines = [tree_summary_line(label, counts)
                  for label, counts in tree_totals(sentences).items()]  # what attn prints
         result["summary"] = parse_attn_summary(lines)
@@ -513,8 +504,8 @@ def run_attn(gold_path: Path, test_path: Path) -> dict:
         result["failure"] = f"attn stopped: {error}"
         result.setdefault("summary", {})
         result.setdefault("sentences", [])
-    result["error_lines"] = sorted({int(m[1]) for w in warnings
-                                    for m in [ATTN_ERROR_LINE.search(w)] if m})
+    result["error_lines"] = [sentence.number for sentence in sentences
+                             if sentence.status == "error"]
     return result
 
 

@@ -23,25 +23,15 @@ import json
 import sys
 from pathlib import Path
 
+import _harness  # noqa: F401 (this checkout's attn_cli, whatever is installed)
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from attn_cli.formats import PARSING  # noqa: E402
-from attn_cli.modelfile import load_model  # noqa: E402
-from attn_cli.scoring import length_buckets  # noqa: E402
-from attn_cli.search import length_penalty  # noqa: E402
-from attn_cli.tree_search import TreeConstraint  # noqa: E402
-from attn_cli.trees import (  # noqa: E402
-    BracketCounts,
-    clean,
-    evalb_sentence,
-    evalb_tree,
-    linearize,
-    read_treebank,
-    read_trees,
-)
+from attn_cli.evalb import BracketCounts, evalb_sentence, evalb_tree, length_buckets
+from attn_cli.formats import PARSING
+from attn_cli.modelfile import load_model
+from attn_cli.search import length_penalty
+from attn_cli.tree_search import TreeConstraint
+from attn_cli.trees import clean, linearize, read_treebank, read_trees
 
 
 def search_scores(loaded, words: list[str], sequences: list[str], alpha: float) -> list[float]:

@@ -20,36 +20,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-from machine import cpu_info  # noqa: E402  (benchmarks/machine.py)
-
-SUMMARY = re.compile(r"(\d+) sentences, .* in ([\d.]+)s")
-
-
-def log(message: str = "") -> None:
-    print(message, file=sys.stderr, flush=True)
+from _harness import REPO_ROOT, decode_stats, log, supports
+from machine import cpu_info
 
 
 def parse_once(code_root: Path, model: str, src: str, options: list[str]) -> tuple[float, bytes]:
     """(seconds the parse took by its own summary, the trees) with the attn_cli of `code_root`."""
     env = {**os.environ, "PYTHONPATH": str(code_root)}
-    with open(src, "rb") as stdin:
-        done = subprocess.run([sys.executable, "-m", "attn_cli", "parse", "-m", model, *options],
-                              stdin=stdin, capture_output=True, env=env, cwd=code_root)
-    if done.returncode != 0:
-        raise SystemExit(f"parse failed ({code_root}):\n{done.stderr.decode()}")
-    found = SUMMARY.findall(done.stderr.decode())
-    if not found:
-        raise SystemExit(f"no summary line in the parse's stderr:\n{done.stderr.decode()}")
-    return float(found[-1][1]), done.stdout
+    with tempfile.TemporaryDirectory() as scratch, open(src, "rb") as stdin:
+        stats_path = Path(scratch) / "stats.json"
+        stats = ["--stats-json", str(stats_path)] if supports(code_root, "parse",
+                                                              "--stats-json") else []
+        done = subprocess.run([sys.executable, "-m", "attn_cli", "parse", "-m", model, *options,
+                               *stats], stdin=stdin, capture_output=True, env=env, cwd=code_root)
+        if done.returncode != 0:
+            raise SystemExit(f"parse failed ({code_root}):\n{done.stderr.decode()}")
+        return decode_stats(stats_path, done.stderr.decode())["seconds"], done.stdout
 
 
 def main() -> None:

@@ -74,21 +74,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from _harness import BUNDLED_DATA, SHARED, log
 from machine import cpu_info  # benchmarks/machine.py
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DATA_DIR = REPO_ROOT / "examples" / "multi30k" / "data"
-PEERS_DIR = REPO_ROOT.parent / "shared" / "peers"  # README.md and onmt-small.yaml
+DATA_DIR = BUNDLED_DATA
+PEERS_DIR = SHARED / "peers"  # README.md and onmt-small.yaml
 ONMT_VERSION = "3.5.1"
 TARGET_RATIO = 1.5  # attn / OpenNMT-py target tokens/s, same run
 TARGET_FRACTION = 0.60  # attn's model FLOP/s / this run's float32 matmul FLOP/s
 # `Step 30/   70; acc: ...; bsz: 2731/2847/148; 1405/1466 tok/s;     57 sec;`
 ONMT_STEP = re.compile(r"Step\s+(\d+)/\s*\d+;.*?bsz:\s*([\d.]+)/\s*([\d.]+)/\s*([\d.]+);"
                        r"\s*([\d.]+)/\s*([\d.]+) tok/s")
-
-
-def log(message: str = "") -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def matmul_gflops(threads: int, seconds: float = 3.0) -> float:
@@ -175,7 +171,6 @@ def attn_round(attn: list, work: Path, index: int, args: argparse.Namespace,
         log("attn: " + " ".join(map(str, command[2:])).replace(str(work), "$WORK"))
     log_path = work / f"attn-{index}.log"
     wall = run_logged(command, log_path, env, "attn train")
-    parameters = re.search(r"^train: \S+: ([\d,]+) parameters", log_path.read_text(), re.M)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if line.strip()]
     windows, previous = [], {"step": 0, "elapsed_s": 0.0}
@@ -190,7 +185,14 @@ def attn_round(attn: list, work: Path, index: int, args: argparse.Namespace,
                             / (row["step"] - previous["step"])})
         previous = row
     return {**mean_round(windows, "attn train", run_dir / "metrics.jsonl"), "wall_s": wall,
-            "parameters": int(parameters.group(1).replace(",", "")) if parameters else None}
+            "parameters": parameter_count(run_dir / f"checkpoint-{args.steps}.st")}
+
+
+def parameter_count(model_file: Path) -> int:
+    """Distinct parameters of a model file (the shared embedding counted once)."""
+    from attn_cli.modelfile import load_model
+
+    return sum(parameter.numel() for parameter in load_model(model_file).model.parameters())
 
 
 def onmt_check(venv: Path, env: dict[str, str]) -> dict:

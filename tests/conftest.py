@@ -6,7 +6,9 @@ without a fresh interpreter's start (0.5-3 s each, depending on the machine). `r
 starts a real process, for what only a process shows: the console script, signals, a closed pipe,
 streaming, torchrun, and what a command imports.
 
-Tests that train share session fixtures (`tests/fixtures.py` trains each model once).
+Tests that need a trained model share session fixtures (below: each is trained once); tests that
+need any model at all take a random one (`toys.random_model`), and tests/fixtures/ holds committed
+files of every format (tests/test_formats.py).
 """
 
 from __future__ import annotations

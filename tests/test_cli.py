@@ -129,10 +129,3 @@ def test_choices_are_listed_in_help_and_checked():
                        "--type")
 
 
-def test_choice_enums_match_the_library():
-    from attn_cli.cli import TreeTerminals, WordScores
-    from attn_cli.tree_search import TreeConstraint
-    from attn_cli.trees import TERMINALS
-
-    assert tuple(choice.value for choice in TreeTerminals) == TERMINALS
-    assert tuple(choice.value for choice in WordScores) == TreeConstraint.WORD_SCORES

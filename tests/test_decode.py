@@ -643,7 +643,7 @@ def test_library_translates_a_list_of_strings_as_the_command_does(trained):
 
 
 def test_an_ensemble_averages_the_models_log_probabilities():
-    from attn_cli.translate import Ensemble
+    from attn_cli.ensemble import Ensemble
 
     first, second = random_model(vocab=30, seed=3), random_model(vocab=30, seed=4)
     src = torch.tensor([[5, 9, 3, 0], [7, 8, 9, 3]])

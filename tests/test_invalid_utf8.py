@@ -57,7 +57,7 @@ def test_few_bad_lines_need_no_count_at_the_end():
 
 
 def test_strict_policy_names_file_line_and_byte():
-    from attn_cli.files import AttnError
+    from attn_cli.errors import AttnError
 
     with pytest.raises(AttnError, match=r"^f.txt:4: invalid UTF-8 \(byte 2 of the line\)$"):
         Utf8Policy(strict=True).decode(b"a\xc3(\n", "f.txt", 4)

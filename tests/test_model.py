@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from attn_cli.config import PRESETS, ModelConfig
-from attn_cli.model import MultiHeadAttention, Transformer, count_parameters, sinusoidal_positions
+from attn_cli.model import MultiHeadAttention, Transformer, sinusoidal_positions
+from attn_cli.train_report import parameter_groups
 
 torch.manual_seed(0)
 
@@ -203,7 +204,7 @@ def test_config_round_trips_through_json():
 
 def parameters(preset: str, vocab: int = 37000) -> int:
     with torch.device("meta"):
-        return count_parameters(Transformer(PRESETS[preset].model_config(vocab)))
+        return sum(parameter_groups(Transformer(PRESETS[preset].model_config(vocab))).values())
 
 
 @pytest.mark.parametrize("preset,millions", [("base", 65), ("big", 213)])

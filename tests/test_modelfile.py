@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from attn_cli.config import PRESETS
-from attn_cli.files import AttnError, atomic_output
+from attn_cli.errors import AttnError
+from attn_cli.files import atomic_output
 from attn_cli.model import Transformer
 from attn_cli.modelfile import load_model, read_model_header, save_model
 from attn_cli.vocab import Vocabulary

@@ -128,8 +128,7 @@ def test_given_words_are_scored_as_any_word_at_their_place():
         constraint = TreeConstraint.for_pieces(pieces, eos_id=3, word_counts=[3],
                                                placeholder=None, required=required,
                                                score_words=score_words)
-        constraint.start(1, 2, "cpu")
-        scored, allowed, tokens = constraint.candidates(log_probs.clone(), state, active, room)
+        scored, allowed, tokens = constraint.next_tokens(log_probs.clone(), state, active, room)
         assert tokens.tolist() == [[[3, 4, 5, 6], [3, 4, 5, 8]]]
         assert tokens[0, 0, constraint.eos_column] == 3
         # brackets and EOS: the model's own scores; EOS not yet, no ")S" with nothing open,
@@ -143,7 +142,7 @@ def test_given_words_are_scored_as_any_word_at_their_place():
         assert scored[0, 0, 3] == pytest.approx(float(any_word))
         assert scored[0, 1, 3] == 0.0
         done = (torch.tensor([[3, 3]]),) + state[1:]  # every word placed: nothing rescored
-        scored, allowed, tokens = constraint.candidates(log_probs.clone(), done, active, room)
+        scored, allowed, tokens = constraint.next_tokens(log_probs.clone(), done, active, room)
         assert torch.equal(scored[..., 3], log_probs[..., 0])  # the padding piece, banned
         assert not allowed[..., 3].any() and allowed[..., constraint.eos_column].all()
 

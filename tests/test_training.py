@@ -17,12 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from attn_cli import batching, config, distributed, training
 from attn_cli import model as model_module
-from attn_cli import training
 from attn_cli.checkpoints import list_checkpoints
 from attn_cli.config import PRESETS
 from attn_cli.data import ParallelData
-from attn_cli.files import AttnError
+from attn_cli.errors import AttnError
 from attn_cli.loss import label_smoothed_loss, projected_label_smoothed_loss
 from attn_cli.model import Transformer
 from attn_cli.modelfile import load_model
@@ -117,19 +117,19 @@ def test_cpu_dropout_keeps_one_minus_p_and_rescales_exactly():
                                            ("2h", (7200.0, "time")), ("5000", (5000.0, "steps")),
                                            ("300u", (300.0, "steps"))])
 def test_intervals(text, expected):
-    assert training.parse_interval(text) == expected
+    assert config.parse_interval(text) == expected
 
 
 def test_bad_interval():
     with pytest.raises(AttnError, match="interval"):
-        training.parse_interval("soon")
+        config.parse_interval("soon")
 
 
 def test_batch_plan_keeps_the_global_batch_whatever_the_world_size():
-    assert training.batch_plan(25000, None, 1).accumulation == 1
-    eight = training.batch_plan(25000, 3125, 8)
+    assert batching.batch_plan(25000, None, 1).accumulation == 1
+    eight = batching.batch_plan(25000, 3125, 8)
     assert (eight.max_tokens, eight.accumulation) == (3125, 1)
-    one = training.batch_plan(25000, 3125, 1)
+    one = batching.batch_plan(25000, 3125, 1)
     assert one.accumulation == 8 and one.micro_batches_per_step == eight.micro_batches_per_step
 
 
@@ -140,19 +140,19 @@ def test_batch_plan_adds_up_to_batch_tokens_for_1_to_16_processes(batch_tokens, 
     for every process count: the budget of a pass shrinks once accumulation is rounded up
     (before, a 4096 cap made 28,672 tokens on 1 process, 36,864 on 3, 49,152 on 6)."""
     for world_size in range(1, 17):
-        plan = training.batch_plan(batch_tokens, cap, world_size)
+        plan = batching.batch_plan(batch_tokens, cap, world_size)
         assert plan.max_tokens <= (cap or batch_tokens), (world_size, plan)
         assert batch_tokens <= plan.step_tokens < batch_tokens + plan.micro_batches_per_step, \
             (world_size, plan)
         # as few passes as the cap allows: one pass fewer would not fit under the cap
         if plan.accumulation > 1:
             assert math.ceil(batch_tokens / world_size) > (plan.accumulation - 1) * cap
-    plans = {n: training.batch_plan(25000, 4096, n) for n in (1, 2, 3, 6, 8)}
+    plans = {n: batching.batch_plan(25000, 4096, n) for n in (1, 2, 3, 6, 8)}
     assert {n: (plan.accumulation, plan.max_tokens) for n, plan in plans.items()} == {
         1: (7, 3572), 2: (4, 3125), 3: (3, 2778), 6: (2, 2084), 8: (1, 3125)}
 
 
-def stream_indices(stream: training.MicroBatchStream, count: int) -> list[int]:
+def stream_indices(stream: batching.MicroBatchStream, count: int) -> list[int]:
     return [int(i) for batch in stream.take(count) for i in batch]
 
 
@@ -162,13 +162,13 @@ def test_a_new_budget_goes_on_from_the_same_place_in_the_data(data_files):
     pair is seen once per epoch, however often the budget changes; a stream rebuilt from the
     saved position gives the same batches as the one that went on."""
     data = ParallelData(data_files[0])
-    stream = training.MicroBatchStream(data, 600, seed=3)
+    stream = batching.MicroBatchStream(data, 600, seed=3)
     seen = stream_indices(stream, 4)
     stream.change_budget(400)
     seen += stream_indices(stream, 3)
     stream.change_budget(900)
     assert stream.earlier_budgets == ((600, 4), (400, 3))
-    rebuilt = training.MicroBatchStream(data, 900, 3, *stream.position, stream.earlier_budgets)
+    rebuilt = batching.MicroBatchStream(data, 900, 3, *stream.position, stream.earlier_budgets)
     next_two = stream_indices(rebuilt, 2)
     assert next_two == stream_indices(stream, 2)  # the same next batches
     seen += next_two + stream_indices(rebuilt, rebuilt.epoch_length - rebuilt.offset)
@@ -176,7 +176,7 @@ def test_a_new_budget_goes_on_from_the_same_place_in_the_data(data_files):
     assert rebuilt.position == (0, rebuilt.epoch_length)
     stream_indices(rebuilt, 1)  # the next epoch: cut with the new budget alone
     assert rebuilt.position == (1, 1) and rebuilt.earlier_budgets == ()
-    fresh = training.MicroBatchStream(data, 900, 3, epoch=1)
+    fresh = batching.MicroBatchStream(data, 900, 3, epoch=1)
     assert [b.tolist() for b in rebuilt._batches] == [b.tolist() for b in fresh._batches]
 
 
@@ -184,17 +184,17 @@ def test_rank_disagreement_names_the_rank_and_what_differs():
     facts = {"options": {"lr_scale": 0.5, "seed": 1}, "data file": "ab" * 32,
              "resumed from": {"step": 4}}
     same = [{"host": "a", "facts": facts}, {"host": "b", "facts": dict(facts)}]
-    assert training.rank_disagreement(same) is None
+    assert distributed.rank_disagreement(same) is None
     other_options = {**facts, "options": {"lr_scale": 0.25, "seed": 1}}
-    problem = training.rank_disagreement([same[0], same[1], {"host": "c",
+    problem = distributed.rank_disagreement([same[0], same[1], {"host": "c",
                                                              "facts": other_options}])
     assert problem.startswith("rank 2 (on c) does not match rank 0: options: lr_scale is 0.25 "
                               "where rank 0 has 0.5")
     other_data = {**facts, "data file": "cd" * 32}
     assert "rank 1 (on b) does not match rank 0: its data file differs from rank 0's" in \
-        training.rank_disagreement([same[0], {"host": "b", "facts": other_data}])
+        distributed.rank_disagreement([same[0], {"host": "b", "facts": other_data}])
     failed = [same[0], {"host": "b", "error": "data file x.st does not exist"}]
-    assert training.rank_disagreement(failed) == "rank 1 (on b): data file x.st does not exist"
+    assert distributed.rank_disagreement(failed) == "rank 1 (on b): data file x.st does not exist"
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -230,7 +230,7 @@ def test_accumulated_micro_batches_equal_one_batch(data_files):
     indices = np.arange(40)
     halves = [indices[:20], indices[20:]]
     tokens = int(data.tgt_lengths[indices].sum()) + len(indices)
-    processes = training.Processes(0, 1, 0, torch.device("cpu"))
+    processes = distributed.Processes(0, 1, torch.device("cpu"))
     scaler = torch.amp.GradScaler("cuda", enabled=False)
 
     def gradients(micro_batches):
@@ -330,7 +330,7 @@ def test_two_gloo_processes_equal_one_process_and_resume_on_1_and_3(data_files, 
             "rest of epoch") in three.stderr
     assert "cut into 400-token micro-batches from the pairs not yet used" in three.stderr
     # Where the run says it is in the data: 6 steps of 2 x 600, then 2 steps of 3 x 400.
-    expected = training.MicroBatchStream(ParallelData(data_files[0]), 600, seed=1)
+    expected = batching.MicroBatchStream(ParallelData(data_files[0]), 600, seed=1)
     expected.take(12)
     expected.change_budget(400)
     expected.take(6)
@@ -435,7 +435,7 @@ def test_a_steps_metrics_row_is_on_disk_before_its_checkpoint(data_files, tmp_pa
         return save(run_dir_, step, *args, **kwargs)
 
     monkeypatch.setattr(training, "_save", checking_save)
-    training.train(training.TrainOptions(
+    training.train(config.TrainOptions(
         data=data_files[0], output=run_dir, valid=data_files[1], preset="tiny", max_steps=6,
         save_every="3", log_every=100, device="cpu"))
     assert saved_steps == [3, 6]
@@ -544,7 +544,7 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_checkpoint(
         return (loss * float("nan"), nll) if calls["count"] > 4 else (loss, nll)
 
     monkeypatch.setattr(model_module, "projected_label_smoothed_loss", poisoned)
-    options = training.TrainOptions(data=data_files[0], output=run_dir, preset="tiny",
+    options = config.TrainOptions(data=data_files[0], output=run_dir, preset="tiny",
                                     max_steps=10, save_every="2", device="cpu", log_every=1)
     with pytest.raises(training.TrainingDiverged, match="nan at step 5.*checkpoint-4.st"):
         training.train(options)

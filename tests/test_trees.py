@@ -6,16 +6,13 @@ import random
 
 import pytest
 
-from attn_cli.files import AttnError
+from attn_cli.errors import AttnError
+from attn_cli.evalb import BracketCounts, EvalbMismatch, evalb_label, evalb_sentence
 from attn_cli.trees import (
     PLACEHOLDER,
-    BracketCounts,
-    EvalbMismatch,
     Tree,
     clean,
     delinearize,
-    evalb_label,
-    evalb_sentence,
     linearize,
     merge_unary_repeats,
     normalize_tags,

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from attn_cli.checkpoints import list_checkpoints, state_path
+from attn_cli.checkpoints import best_steps, list_checkpoints, scored_steps, state_path
 from attn_cli.data import ParallelData
 from attn_cli.modelfile import load_model
-from attn_cli.validation import Validator, best_steps, scored_steps
+from attn_cli.validation import Validator
 
 from .conftest import assert_clean_error, run_attn
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from attn_cli.data import ParallelData, collate, token_batches
-from attn_cli.files import AttnError
+from attn_cli.batching import collate, token_batches
+from attn_cli.data import ParallelData
+from attn_cli.errors import AttnError
 from attn_cli.formats import BOS_ID, EOS_ID, PAD_ID
 from attn_cli.vocab import Vocabulary
 
@@ -214,4 +215,5 @@ def test_collate_adds_bos_eos_and_pads(train_data):
         assert batch.tgt_input[row, 0] == BOS_ID
         assert batch.tgt_input[row, 1:len(tgt) + 1].tolist() == tgt.tolist()
         assert batch.tgt_output[row, :len(tgt) + 1].tolist() == tgt.tolist() + [EOS_ID]
-    assert batch.tgt_token_count == sum(len(train_data.pair(int(i))[1]) + 1 for i in indices)
+    assert int((batch.tgt_output != PAD_ID).sum()) == \
+        sum(len(train_data.pair(int(i))[1]) + 1 for i in indices)

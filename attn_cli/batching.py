@@ -1,0 +1,234 @@
+"""Sentences into padded batches, one rule everywhere: sentences × longest sentence (padding and
+EOS/BOS included) within a token budget.
+
+Training cuts a data file into length-bucketed, shuffled micro-batches (`token_batches`, §5.1),
+shares a global batch among processes and forward passes (`BatchPlan`), and streams them epoch
+after epoch from a resumable position (`MicroBatchStream`); every teacher-forced pass (training,
+validation loss, `score -m`, attention maps) collates x + EOS, BOS + y and y + EOS (`collate`);
+searches (`decode`, `parse`, validation by BLEU/F1) cut sources sorted by length
+(`token_budget_batches`) and pad them (`pad_sequences`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .data import ParallelData
+from .formats import BOS_ID, EOS_ID, PAD_ID
+
+# --------------------------------------------------------------------------------- training
+
+
+def token_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int,
+                  seed: int, epoch: int = 0) -> list[np.ndarray]:
+    """Length-bucketed batches bounded by a token budget (§5.1: "sentence pairs were batched
+    together by approximate sequence length").
+
+    Pairs are sorted by target then source length (ties broken at random from `seed` and
+    `epoch`), then packed greedily so that sentences × longest sentence, padding and EOS/BOS
+    included, stays within `max_tokens` on each side. The batch order is shuffled. A pair longer
+    than the budget on its own becomes a batch of one."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(src_lengths))
+    order = order[np.lexsort((src_lengths[order], tgt_lengths[order]))]
+    src_sorted = (src_lengths[order] + 1).tolist()  # + EOS
+    tgt_sorted = (tgt_lengths[order] + 1).tolist()  # + BOS (input) / EOS (output)
+    boundaries = [0]
+    longest_src = longest_tgt = 0
+    for position, (src_len, tgt_len) in enumerate(zip(src_sorted, tgt_sorted)):
+        longest_src = max(longest_src, src_len)
+        longest_tgt = max(longest_tgt, tgt_len)
+        count = position - boundaries[-1] + 1
+        if count > 1 and max(longest_src, longest_tgt) * count > max_tokens:
+            boundaries.append(position)
+            longest_src, longest_tgt = src_len, tgt_len
+    boundaries.append(len(order))
+    batches = [order[begin:end] for begin, end in zip(boundaries[:-1], boundaries[1:])]
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a global batch is split: tokens per forward pass, passes per process per step."""
+
+    batch_tokens: int  # per side, per optimizer step, over all processes
+    max_tokens: int  # per forward pass (padding included): the micro-batch's budget
+    world_size: int
+    accumulation: int  # forward passes per process per step
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.accumulation * self.world_size
+
+    @property
+    def step_tokens(self) -> int:
+        """The budget of a whole step: --batch-tokens, rounded up by less than a token per pass."""
+        return self.max_tokens * self.micro_batches_per_step
+
+    def describe(self) -> str:
+        return (f"batch plan  {self.batch_tokens} tokens/side/step over {self.world_size} "
+                f"process(es): {self.max_tokens} tokens per forward pass, "
+                f"{self.accumulation} accumulation step(s) per process "
+                f"({self.step_tokens} tokens/side in all)")
+
+    def record(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def brief(self) -> str:
+        return (f"{self.world_size} process(es) x {self.accumulation} pass(es) x "
+                f"{self.max_tokens} tokens")
+
+
+def batch_plan(batch_tokens: int, max_tokens: int | None, world_size: int) -> BatchPlan:
+    """As few forward passes as the cap `max_tokens` allows, all of one budget, the smallest
+    that adds up to `batch_tokens`: the global batch is the same for any process count (a
+    budget left at the cap would round it up by up to a pass: 28,672 instead of 25,000 on
+    1 process with a 4096 cap, 36,864 on 3)."""
+    per_process = math.ceil(batch_tokens / world_size)
+    cap = min(max_tokens or per_process, per_process)
+    accumulation = math.ceil(per_process / cap)
+    budget = math.ceil(batch_tokens / (world_size * accumulation))  # ≤ cap
+    return BatchPlan(batch_tokens, budget, world_size, accumulation)
+
+
+class MicroBatchStream:
+    """The endless sequence of micro-batches (index arrays), epoch after epoch, each epoch
+    bucketed and shuffled from (seed, epoch). `position` is what resuming needs.
+
+    A run resumed with another budget per micro-batch (another process count or --max-tokens)
+    goes on from the same place in the data: the epoch's batches used so far stay as they were
+    cut (`earlier_budgets`: (budget, batches) for each earlier part of the epoch), and the rest
+    of the epoch is cut with the new budget from the pairs they left, so that no pair is
+    skipped or seen twice."""
+
+    def __init__(self, data: ParallelData, max_tokens: int, seed: int, epoch: int = 0,
+                 offset: int = 0, earlier_budgets: tuple[tuple[int, int], ...] = ()):
+        self.data, self.max_tokens, self.seed = data, max_tokens, seed
+        self.epoch, self.offset = epoch, offset
+        self.earlier_budgets = tuple((int(budget), int(count))
+                                     for budget, count in earlier_budgets)
+        self._batches = self._epoch_batches()
+
+    def _epoch_batches(self) -> list[np.ndarray]:
+        """This epoch's batches: each earlier budget's share cut from the pairs the ones before
+        it left, the rest with this stream's budget."""
+        unused = np.arange(len(self.data))
+        batches: list[np.ndarray] = []
+        for budget, count in (*self.earlier_budgets, (self.max_tokens, None)):
+            if len(unused) == 0:
+                break
+            cut = token_batches(self.data.src_lengths[unused], self.data.tgt_lengths[unused],
+                                budget, self.seed, self.epoch)[:count]
+            cut = [unused[indices] for indices in cut]
+            batches += cut
+            if count is not None:
+                unused = np.setdiff1d(unused, np.concatenate(cut))
+        return batches
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return self.epoch, self.offset
+
+    @property
+    def epoch_length(self) -> int:
+        """Micro-batches in the current epoch."""
+        return len(self._batches)
+
+    def next_epoch(self) -> None:
+        self.epoch, self.offset, self.earlier_budgets = self.epoch + 1, 0, ()
+        self._batches = self._epoch_batches()
+
+    def change_budget(self, max_tokens: int) -> None:
+        """Go on with micro-batches of `max_tokens` from the same place in the data."""
+        if max_tokens == self.max_tokens:
+            return
+        used_at_this_budget = self.offset - sum(count for _, count in self.earlier_budgets)
+        previous, self.max_tokens = self.max_tokens, max_tokens
+        if self.offset >= len(self._batches):
+            self.next_epoch()
+            return
+        if used_at_this_budget > 0:
+            self.earlier_budgets += ((previous, used_at_this_budget),)
+        self._batches = self._epoch_batches()
+
+    def take(self, count: int) -> list[np.ndarray]:
+        taken = []
+        while len(taken) < count:
+            if self.offset >= len(self._batches):
+                self.next_epoch()
+            taken.append(self._batches[self.offset])
+            self.offset += 1
+        return taken
+
+
+# -------------------------------------------------------------------------- teacher forcing
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Padded int64 arrays: src_tokens = x + EOS, tgt_input = BOS + y, tgt_output = y + EOS."""
+
+    src_tokens: np.ndarray  # (B, S)
+    tgt_input: np.ndarray  # (B, T)
+    tgt_output: np.ndarray  # (B, T)
+
+    def to(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(src_tokens, tgt_input, tgt_output) as tensors on `device`."""
+        return tuple(torch.from_numpy(array).to(device, non_blocking=True)
+                     for array in (self.src_tokens, self.tgt_input, self.tgt_output))
+
+
+def collate_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], bos_id: int = BOS_ID,
+                  eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> Batch:
+    """(x, y) pairs of token ids, without BOS or EOS, into a padded `Batch`."""
+    src_width = max(len(src) for src, _ in pairs) + 1
+    tgt_width = max(len(tgt) for _, tgt in pairs) + 1
+    src_tokens = np.full((len(pairs), src_width), pad_id, dtype=np.int64)
+    tgt_input = np.full((len(pairs), tgt_width), pad_id, dtype=np.int64)
+    tgt_output = np.full((len(pairs), tgt_width), pad_id, dtype=np.int64)
+    for row, (src, tgt) in enumerate(pairs):
+        src_tokens[row, :len(src)] = src
+        src_tokens[row, len(src)] = eos_id
+        tgt_input[row, 0] = bos_id
+        tgt_input[row, 1:len(tgt) + 1] = tgt
+        tgt_output[row, :len(tgt)] = tgt
+        tgt_output[row, len(tgt)] = eos_id
+    return Batch(src_tokens, tgt_input, tgt_output)
+
+
+def collate(data: ParallelData, indices: np.ndarray) -> Batch:
+    """The pairs `indices` of a data file as a `Batch`."""
+    return collate_pairs([data.pair(int(i)) for i in indices])
+
+
+# ---------------------------------------------------------------------------------- search
+
+
+def token_budget_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices sorted by length, cut so that sentences × longest ≤ batch_tokens (source side)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, current, longest = [], [], 0
+    for index in order:
+        longest_if_added = max(longest, lengths[index])
+        if current and longest_if_added * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current, longest_if_added = [], lengths[index]
+        current.append(index)
+        longest = longest_if_added
+    if current:
+        batches.append(current)
+    return batches
+
+
+def pad_sequences(rows: list[list[int]], pad_id: int) -> torch.Tensor:
+    """(B, longest) int64, each row left-aligned and padded with `pad_id`."""
+    out = torch.full((len(rows), max(len(row) for row in rows)), pad_id, dtype=torch.long)
+    for index, row in enumerate(rows):
+        out[index, :len(row)] = torch.tensor(row, dtype=torch.long)
+    return out
