@@ -77,7 +77,9 @@ def paper_words(line: str) -> str:
     return split_compounds(moses_like_tokenize(line))
 
 
-def _bleu(lowercase: bool, sentence: bool = False):
+def bleu_metric(lowercase: bool = False, sentence: bool = False):
+    """sacrebleu's BLEU as multi-bleu.perl computes it over `paper_words`: no tokenizer of its
+    own, no smoothing (at the sentence level, sacrebleu's exp smoothing)."""
     from sacrebleu.metrics import BLEU
 
     # multi-bleu.perl: no smoothing (a corpus with no matching 4-gram scores 0)
@@ -86,23 +88,12 @@ def _bleu(lowercase: bool, sentence: bool = False):
 
 
 def signature(metric) -> str:
+    """`bleu_metric`'s signature, naming the tokenization it was given."""
     return metric.get_signature().format().replace("tok:none", f"tok:{SIGNATURE_TOKENIZER}")
-
-
-def corpus_bleu(hypotheses: list[str], references: list[str], lowercase: bool = False):
-    """The paper-comparable corpus BLEU, as a scoring.MetricScore."""
-    from .scoring import MetricScore
-
-    metric = _bleu(lowercase)
-    score = metric.corpus_score([paper_words(line) for line in hypotheses],
-                                [[paper_words(line) for line in references]])
-    text = score.format()
-    return MetricScore(score.name, signature(metric), score.score,
-                       text.split(" = ", 1)[1] if " = " in text else text)
 
 
 def sentence_bleu(hypotheses: list[str], references: list[str],
                   lowercase: bool = False) -> list[float]:
-    metric = _bleu(lowercase, sentence=True)
+    metric = bleu_metric(lowercase, sentence=True)
     return [metric.sentence_score(paper_words(hypothesis), [paper_words(reference)]).score
             for hypothesis, reference in zip(hypotheses, references)]

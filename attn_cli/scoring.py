@@ -80,13 +80,25 @@ def text_scores(hypotheses: list[str], references: list[str], metrics: list[str]
     results = []
     for name, metric in zip(metrics, scorers):
         if name == "bleu" and tokenize == COMPOUND_SPLIT:
-            results.append(compound_bleu.corpus_bleu(hypotheses, references, lowercase))
-            continue
-        score = metric.corpus_score(hypotheses, [references])
-        text = score.format()
-        results.append(MetricScore(score.name, metric.get_signature().format(), score.score,
-                                   text.split(" = ", 1)[1] if " = " in text else text))
+            paper = compound_bleu.bleu_metric(lowercase)
+            results.append(_corpus_score(paper, [compound_bleu.paper_words(line)
+                                                 for line in hypotheses],
+                                         [compound_bleu.paper_words(line)
+                                          for line in references],
+                                         compound_bleu.signature))
+        else:
+            results.append(_corpus_score(metric, hypotheses, references))
     return results
+
+
+def _corpus_score(metric, hypotheses: list[str], references: list[str],
+                  signature=lambda metric: metric.get_signature().format()) -> MetricScore:
+    """A sacrebleu metric's corpus score; `signature(metric)` once it has scored (it names the
+    references' count)."""
+    score = metric.corpus_score(hypotheses, [references])
+    text = score.format()
+    return MetricScore(score.name, signature(metric), score.score,
+                       text.split(" = ", 1)[1] if " = " in text else text)
 
 
 def sentence_scores(hypotheses: list[str], references: list[str], metric_name: str,

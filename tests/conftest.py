@@ -7,14 +7,18 @@ starts a real process, for what only a process shows: the console script, signal
 streaming, torchrun, and what a command imports.
 
 Tests that need a trained model share session fixtures (below: each is trained once); tests that
-need any model at all take a random one (`toys.random_model`), and tests/fixtures/ holds committed
-files of every format (tests/test_formats.py).
+need any model at all take a random one (`toys.random_model`, `toys.save_random_model`), and
+tests/fixtures/ holds committed files of every format (tests/test_formats.py).
+
+Markers (pyproject.toml): `slow` for learning runs, several processes, kill and signal tests
+(`pytest -m "not slow"` leaves them out); `gpu` for tests that need CUDA, skipped without it.
 """
 
 from __future__ import annotations
 
 import gzip
 import io
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
+
+from attn_cli.checkpoints import list_checkpoints
+from attn_cli.cli import main
+
+from .toys import toy_treebank
 
 REPO = Path(__file__).resolve().parent.parent
 BUNDLED = REPO / "examples" / "multi30k" / "data"
@@ -75,13 +86,10 @@ class _Sink(io.BytesIO):
 def run_attn(*args, stdin: str | bytes | None = None) -> Result:
     """`attn ARGS` through `attn_cli.cli.main`, in this process. Global state a command sets
     (torch's thread count) is put back afterwards, so that tests stay independent."""
-    from attn_cli.cli import main
-
     data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
     out, err = _Sink(), _Sink()
     saved = sys.stdin, sys.stdout, sys.stderr
-    torch = sys.modules.get("torch")
-    threads = torch.get_num_threads() if torch else None
+    threads = torch.get_num_threads()
     sys.stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8")
     sys.stdout = io.TextIOWrapper(out, encoding="utf-8", write_through=True)
     sys.stderr = io.TextIOWrapper(err, encoding="utf-8", write_through=True)
@@ -95,9 +103,7 @@ def run_attn(*args, stdin: str | bytes | None = None) -> Result:
         sys.stdout.flush()
         sys.stderr.flush()
         sys.stdin, sys.stdout, sys.stderr = saved
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            torch.set_num_threads(threads or os.cpu_count() or 1)
+        torch.set_num_threads(threads)
     return Result(returncode, out.getvalue().decode("utf-8", "replace"),
                   err.getvalue().decode("utf-8", "replace"))
 
@@ -111,6 +117,25 @@ def run_attn_process(*args, stdin: str | bytes | None = None, env: dict | None =
                                capture_output=True, env=environment, timeout=timeout)
     return Result(completed.returncode, completed.stdout.decode("utf-8", "replace"),
                   completed.stderr.decode("utf-8", "replace"))
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """What a test computes with torch in this process (tiny models, many small ops) runs on one
+    thread; commands choose their own threads, as they do for users (`run_attn` puts this back
+    after each). With two threads, OpenMP's waiting at every op makes such tests 10-100x slower
+    as soon as another process holds a core (measured on 2 cores beside a busy process:
+    tests/test_search.py and test_tree_search.py 262 s on two threads, 2.2 s on one)."""
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests are skipped, with the reason, where torch sees no CUDA device."""
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_tests and not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
+        for item in gpu_tests:
+            item.add_marker(skip)
 
 
 def assert_clean_error(result: Result, *fragments: str) -> None:
@@ -143,8 +168,6 @@ def data_files(corpus, spm_model, tmp_path_factory) -> tuple[Path, Path]:
 def trained(data_files, tmp_path_factory) -> tuple[Path, float]:
     """A tiny model trained for a few steps (its translations are poor; the plumbing is real),
     with the validation perplexity training measured."""
-    import json
-
     run_dir = tmp_path_factory.mktemp("trained") / "run"
     result = run_attn("train", data_files[0], "-o", run_dir, "--preset", "tiny", "--max-steps",
                       "40", "--valid", data_files[1], "--device", "cpu")
@@ -155,8 +178,6 @@ def trained(data_files, tmp_path_factory) -> tuple[Path, float]:
 
 def _train_parser(terminals: str, directory: Path) -> Path:
     """A tiny parser trained on toy trees (tests/toys.py) through the real commands."""
-    from .toys import toy_treebank
-
     steps = PARSER_STEPS[terminals]
     (directory / "train.mrg").write_text(toy_treebank(600, seed=1), encoding="utf-8")
     (directory / "dev.mrg").write_text(toy_treebank(30, seed=2), encoding="utf-8")
@@ -196,3 +217,40 @@ def word_parser(tmp_path_factory) -> Path:
 def placeholder_parser(tmp_path_factory) -> Path:
     """The directory of a parser with placeholder terminals (XX), the paper's setup."""
     return _train_parser("placeholders", tmp_path_factory.mktemp("parser-placeholders"))
+
+
+@pytest.fixture(scope="session")
+def other_vocab_data(corpus, tmp_path_factory) -> Path:
+    """The validation pairs binarized with another vocabulary (learned on German only)."""
+    directory = tmp_path_factory.mktemp("other-vocab")
+    other_vocab = directory / "other.model"
+    result = run_attn("vocab", corpus["train.de"], "-o", other_vocab, "--size", "300")
+    assert result.returncode == 0, result.stderr
+    other_data = directory / "other.st"
+    result = run_attn("binarize", "--vocab", other_vocab, corpus["val.en"], corpus["val.de"],
+                      "-o", other_data)
+    assert result.returncode == 0, result.stderr
+    return other_data
+
+
+# ------------------------------------------------------------------------------ training runs
+
+
+def train_args(train_st, run_dir, *extra) -> list:
+    """`attn train` of the tiny preset on the CPU, a metrics row per step, and `extra`."""
+    return ["train", train_st, "-o", run_dir, "--preset", "tiny", "--log-every", "1",
+            "--device", "cpu", *map(str, extra)]
+
+
+def final_weights(run_dir: Path) -> dict:
+    """The parameters of a run's last checkpoint (its vocabulary left out)."""
+    step, path = list_checkpoints(run_dir)[-1]
+    weights = load_file(str(path))
+    return {name: tensor for name, tensor in weights.items() if not name.startswith("vocab.")}
+
+
+def assert_same_weights(a: dict, b: dict, atol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0 if atol == 0 else 1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")

@@ -3,6 +3,7 @@ real process where that is the point)."""
 
 from __future__ import annotations
 
+import inspect
 import re
 import shutil
 import subprocess
@@ -10,8 +11,10 @@ import sys
 import sysconfig
 
 import pytest
+from typer.main import get_command
 
-from attn_cli import __version__
+from attn_cli import __version__, formats, search, translate
+from attn_cli.cli import app
 
 from .conftest import assert_clean_error, run_attn
 
@@ -48,6 +51,20 @@ def test_help_does_not_import_torch():
     assert result.stderr.strip().splitlines()[-1] == "False False"
 
 
+@pytest.mark.parametrize("argv", [["parse", "linearize", "{treebank}", "-o", "{prefix}"],
+                                  ["score", "--trees", "--ref", "{treebank}", "{treebank}"]])
+def test_tree_commands_do_not_import_torch(argv, tmp_path):
+    """Linearizing a treebank and scoring trees are text work: instant, torch-free."""
+    treebank = tmp_path / "tiny.mrg"
+    treebank.write_text("(TOP (S (NP (DT a) (NN cat)) (VP (VBZ sleeps))))\n", encoding="utf-8")
+    argv = [arg.format(treebank=treebank, prefix=tmp_path / "pairs") for arg in argv]
+    code = ("import sys; from attn_cli.cli import main\n"
+            f"try:\n    main({argv!r})\nexcept SystemExit as exit_:\n    assert not exit_.code\n"
+            "print('torch' in sys.modules, file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stderr.strip().splitlines()[-1] == "False", result.stderr
+
+
 @pytest.mark.parametrize("command,paper", [
     (("decode",), (4, 0.6, 1.0, 50)),  # §6.1: beam 4, α 0.6, maximum output length |x| + 50
     (("parse",), (21, 0.3, 1.0, 300)),  # §6.3: beam 21, α 0.3, |x| + 300
@@ -55,13 +72,6 @@ def test_help_does_not_import_torch():
 def test_search_defaults_are_the_papers_everywhere(command, paper):
     """The command's defaults, `--help`'s and the library's are the paper's settings, named once
     in attn_cli.formats: none of them may drift from the others."""
-    import inspect
-
-    from typer.main import get_command
-
-    from attn_cli import formats, search, translate
-    from attn_cli.cli import app
-
     settings = formats.TRANSLATION if command == ("decode",) else formats.PARSING
     assert (settings.beam, settings.alpha, settings.max_len_a, settings.max_len_b) == paper
     click_command = get_command(app)

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from attn_cli.compound_bleu import corpus_bleu, moses_like_tokenize, paper_words, split_compounds
+from attn_cli.compound_bleu import moses_like_tokenize, paper_words, split_compounds
+from attn_cli.scoring import text_scores
 
 from .conftest import assert_clean_error, run_attn
 
@@ -46,6 +47,11 @@ def test_corpus_bleu_by_hand():
     assert "tok:moses-like+compound-split" in score.signature and "smooth:none" in score.signature
     assert corpus_bleu([hypothesis.lower()], [reference], lowercase=True).score == \
         pytest.approx(expected, abs=1e-9)
+
+
+def corpus_bleu(hypotheses: list[str], references: list[str], lowercase: bool = False):
+    """The paper's BLEU as `attn score --tokenize compound-split` computes it."""
+    return text_scores(hypotheses, references, ["bleu"], "compound-split", lowercase)[0]
 
 
 def test_score_command_reports_the_papers_bleu_beside_chrf(tmp_path):

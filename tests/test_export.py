@@ -5,13 +5,13 @@ from __future__ import annotations
 import sys
 
 import pytest
+import sentencepiece as spm
 
 from .conftest import assert_clean_error, run_attn
 
 
 def test_ct2_greedy_output_equals_attn_decode(trained, corpus, tmp_path):
     ctranslate2 = pytest.importorskip("ctranslate2", reason="pip install 'attn[ct2]'")
-    import sentencepiece as spm
 
     model, _ = trained
     result = run_attn("export", "ct2", model, "-o", tmp_path / "ct2")

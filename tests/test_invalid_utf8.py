@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from attn_cli.data import ParallelData
+from attn_cli.errors import AttnError
 from attn_cli.files import Utf8Policy
 
 from .conftest import assert_clean_error, run_attn, run_attn_process
@@ -57,8 +59,6 @@ def test_few_bad_lines_need_no_count_at_the_end():
 
 
 def test_strict_policy_names_file_line_and_byte():
-    from attn_cli.errors import AttnError
-
     with pytest.raises(AttnError, match=r"^f.txt:4: invalid UTF-8 \(byte 2 of the line\)$"):
         Utf8Policy(strict=True).decode(b"a\xc3(\n", "f.txt", 4)
 
@@ -104,6 +104,7 @@ def test_decode_counts_many_bad_lines_at_the_end(trained, tmp_path):
 # ------------------------------------------------------------------------------------ parse
 
 
+@pytest.mark.slow
 def test_parse_replaces_the_bad_bytes_and_keeps_every_line(word_parser):
     model = word_parser / "parser.st"
     result = run_attn("parse", "-m", model, "--beam", "2", stdin=BAD_STDIN)
@@ -178,8 +179,6 @@ def test_training_data_needs_the_option_to_be_repaired(spm_model, tmp_path):
     assert repaired.returncode == 0, repaired.stderr
     assert warnings(repaired.stderr) == [f"warning: {tgt}:2: invalid UTF-8 (byte 8 of the "
                                          "line), replaced by U+FFFD"]
-    from attn_cli.data import ParallelData
-
     assert len(ParallelData(tmp_path / "o.st")) == 3
     vocab = run_attn("vocab", tgt, "-o", tmp_path / "v.model", "--size", "20",
                      "--replace-invalid")

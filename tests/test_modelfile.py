@@ -10,8 +10,10 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
+from attn_cli import stfile
 from attn_cli.config import PRESETS
 from attn_cli.errors import AttnError
 from attn_cli.files import atomic_output
@@ -61,7 +63,7 @@ def test_model_file_is_plain_safetensors_without_pickle(saved):
 
 
 def test_separate_vocabularies_round_trip(vocabulary, tmp_path):
-    config = dataclasses.replace(PRESETS["tiny"].model_config(len(vocabulary), len(vocabulary)))
+    config = PRESETS["tiny"].model_config(len(vocabulary), len(vocabulary))
     assert not config.share_embeddings
     model = Transformer(config)
     path = tmp_path / "separate.st"
@@ -143,8 +145,6 @@ def test_weights_that_do_not_match_the_config(saved, vocabulary, tmp_path):
     path = tmp_path / "mismatch.st"
     save_model(path, other, vocabulary)
     # Rewrite the metadata to claim the original config while keeping the other weights.
-    from safetensors import safe_open
-    from safetensors.torch import load_file
     with safe_open(str(path), "pt") as handle:
         metadata = handle.metadata()
     metadata["config"] = model.config.to_json()
@@ -166,10 +166,6 @@ def test_atomic_output_keeps_the_old_file_when_writing_fails(tmp_path):
 
 def test_a_bf16_tensor_is_refused_by_the_memory_mapped_reader(tmp_path):
     """numpy has no bfloat16: mapping one must be an error, not float64 garbage."""
-    from safetensors.torch import save_file
-
-    from attn_cli import stfile
-
     path = tmp_path / "bf16.st"
     save_file({"x": torch.ones(4, dtype=torch.bfloat16)}, str(path))
     header = stfile.read_header(path)

@@ -1,21 +1,25 @@
-"""`attn parse` end to end on a treebank of our own: linearize → vocab → binarize → train →
-parse → score --trees, with placeholder terminals (the paper's setup) and word terminals."""
+"""`attn parse` and `attn parse linearize` (parsing.py) end to end on a treebank of our own:
+linearize → vocab → binarize → train → parse → score --trees, with placeholder terminals (the
+paper's setup) and word terminals."""
 
 from __future__ import annotations
 
-import itertools
+import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from attn_cli.search import Stop, beam_search
-from attn_cli.tree_search import TreeConstraint
-from attn_cli.trees import Tree, delinearize, linearize, read_trees
+from attn_cli.trees import read_trees
+from attn_cli.vocab import Vocabulary
 
 from .conftest import assert_clean_error, run_attn
-from .test_decode import random_model
-from .toys import toy_treebank
+from .toys import TREEBANK, toy_treebank
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+GOLDEN = json.loads((FIXTURES / "golden.json").read_text(encoding="utf-8"))
+# Any model parses (its output is repaired into trees over the words): the committed one of
+# tests/fixtures, where a test needs no parser that learned anything.
+ANY_MODEL = FIXTURES / GOLDEN["checkpoint"]
 
 
 @pytest.fixture(params=["placeholders", "words"])
@@ -39,6 +43,7 @@ def _check_trees(output: str, lines: list[str]) -> None:
         assert unescaped == line.split()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("constrain", [False, True])
 def test_parse_writes_one_tree_per_line_and_learns_the_grammar(parser, constrain):
     terminals, work = parser
@@ -52,9 +57,10 @@ def test_parse_writes_one_tree_per_line_and_learns_the_grammar(parser, constrain
     parsed = [tree for line, tree in zip(lines, result.stdout.splitlines())
               if line in sentences]
     (work / "dev.parsed").write_text("\n".join(parsed) + "\n", encoding="utf-8")
-    scored = run_attn("score", "--trees", "--ref", work / "dev.mrg", work / "dev.parsed")
+    scored = run_attn("score", "--trees", "--ref", work / "dev.mrg", work / "dev.parsed",
+                      "--format", "json")
     assert scored.returncode == 0, scored.stderr
-    f1 = float(scored.stdout.split("F1 ")[1].split()[0])
+    f1 = json.loads(scored.stdout)["all"]["f1"]
     # A grammar this regular is learned in a few hundred steps when the decoder sees the words;
     # with placeholders it must also count them and learns slower. How far each gets depends on
     # the CPU's kernels: measured dev F1 95-100 (words, 400 steps) and 61-73 (placeholders, 600
@@ -66,115 +72,59 @@ def test_parse_writes_one_tree_per_line_and_learns_the_grammar(parser, constrain
 MIN_F1 = {"words": 80.0, "placeholders": 40.0}
 
 
-def test_parse_detects_the_terminals_and_refuses_unknown_ones(parser):
-    terminals, work = parser
-    assert_clean_error(run_attn("parse", "-m", work / "parser.st", "--terminals", "leaves",
+def test_parse_refuses_unknown_terminals_and_word_scores(tmp_path):
+    assert_clean_error(run_attn("parse", "-m", ANY_MODEL, "--terminals", "leaves",
                                 stdin="a b\n"), "--terminals")
-    assert_clean_error(run_attn("parse", "-m", work / "parser.st", "--score-words", "any",
+    assert_clean_error(run_attn("parse", "-m", ANY_MODEL, "--score-words", "any",
                                 stdin="a b\n"), "--score-words")
-    assert_clean_error(run_attn("parse", "linearize", work / "dev.mrg", "-o", work / "x",
+    (tmp_path / "dev.mrg").write_text(toy_treebank(3, seed=2), encoding="utf-8")
+    assert_clean_error(run_attn("parse", "linearize", tmp_path / "dev.mrg", "-o", tmp_path / "x",
                                 "--terminals", "leaves"), "--terminals")
-    target = (work / "train.tgt").read_text(encoding="utf-8").split()
-    assert ("XX" in target) == (terminals == "placeholders")
 
 
-def test_word_terminals_round_trip_and_escape_brackets():
-    for tree in read_trees(toy_treebank(50, seed=3)):
-        sequence = linearize(tree, terminals="words")
-        assert [t for t in sequence.split() if not t.startswith(("(", ")"))] == tree.words()
-        assert str(delinearize(sequence, tree.words())) == str(
-            delinearize(linearize(tree), tree.words()))
-    odd = Tree("S", [Tree("NP", [Tree("NN", ["(a)"])]), Tree("VP", [Tree("VBZ", [")"])])])
-    assert linearize(odd, terminals="words") == "(S (NP -LRB-a-RRB- )NP (VP -RRB- )VP )S"
+def test_parse_without_model_is_a_clean_error():
+    assert_clean_error(run_attn("parse", stdin="a b\n"), "-m")
 
 
-def test_word_constraint_forces_the_input_pieces_in_order():
-    pieces = ["<pad>", "<unk>", "<s>", "</s>", "\u2581(S", "\u2581)S", "\u2581(NP", "\u2581)NP",
-              "\u2581the", "\u2581cat", "\u2581s", "leeps"]
-    model = random_model(vocab=len(pieces), seed=7)
-    src = torch.tensor([[8, 9, 10, 11, 3], [9, 3, 0, 0, 0]])
-    required = [[8, 9, 10, 11], [9]]
-    constraint = TreeConstraint.for_pieces(pieces, eos_id=3, word_counts=[4, 1],
-                                           placeholder=None, required=required)
-    found = beam_search(model, src, beam=3, nbest=3, max_len_a=0, max_len_b=16,
-                        constraint=constraint)
-    for ids, hypotheses in zip(required, found):
-        for hypothesis in hypotheses:
-            tokens = [pieces[t] for t in hypothesis.tokens]
-            assert [t for t in hypothesis.tokens if t >= 8] == ids
-            depth = 0
-            for token in tokens:
-                depth += token.startswith("\u2581(") - token.startswith("\u2581)")
-                assert depth >= 0
-            assert depth == 0
-            if 10 in hypothesis.tokens:  # "▁s" "leeps" is one word: no bracket inside
-                position = hypothesis.tokens.index(10)
-                assert hypothesis.tokens[position + 1] == 11
+def test_parse_stats_json_writes_the_summary(tmp_path):
+    """--stats-json, as `attn decode` writes it: searched as decode searches (no constraint),
+    parse counts the sentences and output tokens decode counts."""
+    lines = GOLDEN["inputs"][:4] + [""] + GOLDEN["inputs"][4:6]
+    search = ["-m", ANY_MODEL, "--beam", "2", "--alpha", "0.6", "--max-len-a", "1",
+              "--max-len-b", "10", "--device", "cpu"]
+    stats = {}
+    for command in ("parse", "decode"):
+        path = tmp_path / f"{command}.json"
+        result = run_attn(command, *search, "--stats-json", path, stdin="\n".join(lines) + "\n")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.count("\n") == len(lines)
+        text = path.read_text(encoding="utf-8")
+        assert text.count("\n") == 1 and text.endswith("\n")  # one object, one line
+        stats[command] = json.loads(text)
+    assert stats["parse"]["sentences"] == stats["decode"]["sentences"] == 6
+    assert stats["parse"]["output_tokens"] == stats["decode"]["output_tokens"] >= 6
+    assert stats["parse"]["seconds"] > 0 and stats["parse"]["load_seconds"] > 0
 
 
-def test_given_words_are_scored_as_any_word_at_their_place():
-    """--score-words given: a word's first piece scores log Σ p(piece) over the pieces that
-    start a word; its other pieces score 0; brackets and EOS keep the model's scores. The
-    candidates are the brackets, EOS and the sentence's next piece, nothing else."""
-    pieces = ["<pad>", "<unk>", "<s>", "</s>", "\u2581(S", "\u2581)S", "\u2581the", "\u2581s",
-              "leeps"]
-    required = [[6, 7, 8]]
-    log_probs = torch.log_softmax(torch.randn(1, 2, len(pieces), generator=torch.Generator(
-        ).manual_seed(3)), dim=-1)
-    placed = torch.tensor([[0, 2]])  # the first beam is before "▁the", the second inside "sleeps"
-    state = (placed, torch.zeros_like(placed), torch.zeros_like(placed))
-    active, room = torch.tensor([0]), torch.tensor([10])
-    for score_words in ("given", "joint"):
-        constraint = TreeConstraint.for_pieces(pieces, eos_id=3, word_counts=[3],
-                                               placeholder=None, required=required,
-                                               score_words=score_words)
-        scored, allowed, tokens = constraint.next_tokens(log_probs.clone(), state, active, room)
-        assert tokens.tolist() == [[[3, 4, 5, 6], [3, 4, 5, 8]]]
-        assert tokens[0, 0, constraint.eos_column] == 3
-        # brackets and EOS: the model's own scores; EOS not yet, no ")S" with nothing open,
-        # no "(S" inside a word
-        assert torch.equal(scored[..., :3], log_probs[..., 3:6])
-        assert allowed.tolist() == [[[False, True, False, True], [False, False, False, True]]]
-        if score_words == "joint":
-            assert torch.equal(scored[0, :, 3], log_probs[0, [0, 1], [6, 8]])
-            continue
-        any_word = torch.logsumexp(log_probs[0, 0, [6, 7]], dim=0)
-        assert scored[0, 0, 3] == pytest.approx(float(any_word))
-        assert scored[0, 1, 3] == 0.0
-        done = (torch.tensor([[3, 3]]),) + state[1:]  # every word placed: nothing rescored
-        scored, allowed, tokens = constraint.next_tokens(log_probs.clone(), done, active, room)
-        assert torch.equal(scored[..., 3], log_probs[..., 0])  # the padding piece, banned
-        assert not allowed[..., 3].any() and allowed[..., constraint.eos_column].all()
+# ------------------------------------------------------------------------------ parse linearize
 
 
-def test_early_stop_is_exact_under_the_tree_constraint():
-    """The constraint's bound on how long a tree can still grow lets a sentence stop early;
-    the search still returns what it returns when every sentence runs to its length limit."""
-    pieces = ["<pad>", "<unk>", "<s>", "</s>", "\u2581(S", "\u2581)S", "\u2581(NP", "\u2581)NP",
-              "\u2581the", "\u2581cat", "\u2581s", "leeps"]
-    src = torch.tensor([[8, 9, 10, 11, 3], [9, 3, 0, 0, 0], [8, 9, 3, 0, 0]])
-    required = [[8, 9, 10, 11], [9], [8, 9]]
-    rows = {Stop.bound: 0, Stop.limit: 0}
-    for seed, nbest in itertools.product(range(4), (1, 3)):
-        model = random_model(vocab=len(pieces), seed=seed)
-        results = {}
-        for stop in rows:
-            constraint = TreeConstraint.for_pieces(pieces, eos_id=3, word_counts=[4, 1, 2],
-                                                   placeholder=None, required=required)
-            step = model.decode_step
-
-            def counted(tokens, cache, stop=stop, step=step):
-                rows[stop] += len(tokens)
-                return step(tokens, cache)
-
-            model.decode_step = counted
-            results[stop] = beam_search(model, src, beam=5, nbest=nbest, alpha=0.6, max_len_a=0,
-                                        max_len_b=100, constraint=constraint, stop=stop)
-            del model.decode_step
-        assert results[Stop.bound] == results[Stop.limit]
-    # Measured: 2,809 decoder rows against 3,184 (the search's own bound, |x| + 100 long, stopped
-    # no sentence earlier than the limit here).
-    assert rows[Stop.bound] < 0.95 * rows[Stop.limit]
+def test_linearize_command_writes_pairs_and_bracket_symbols(tmp_path):
+    treebank = tmp_path / "tiny.mrg"
+    treebank.write_text(TREEBANK, encoding="utf-8")
+    result = run_attn("parse", "linearize", treebank, "-o", tmp_path / "pairs")
+    assert result.returncode == 0, result.stderr
+    src = (tmp_path / "pairs.src").read_text(encoding="utf-8").splitlines()
+    tgt = (tmp_path / "pairs.tgt").read_text(encoding="utf-8").splitlines()
+    assert src[0] == "The cat sat on the mat to rest ." and len(tgt) == 2
+    symbols = (tmp_path / "pairs.symbols").read_text(encoding="utf-8").split()
+    assert {"(S", ")S", "(NP", ")NP", "(ADVP", "XX"} <= set(symbols)
+    # A vocabulary told about the symbols keeps every bracket token whole.
+    vocab = run_attn("vocab", tmp_path / "pairs.src", tmp_path / "pairs.tgt", "-o",
+                     tmp_path / "v.model", "--size", "60", "--symbols", tmp_path / "pairs.symbols")
+    assert vocab.returncode == 0, vocab.stderr
+    pieces = Vocabulary.from_file(tmp_path / "v.model").processor.encode(tgt[0], out_type=str)
+    assert len(pieces) == len(tgt[0].split())
 
 
 def test_linearize_subtrees_adds_each_constituent_once(tmp_path):

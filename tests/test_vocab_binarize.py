@@ -6,10 +6,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from attn_cli.batching import collate, token_batches
 from attn_cli.data import ParallelData
 from attn_cli.errors import AttnError
-from attn_cli.formats import BOS_ID, EOS_ID, PAD_ID
 from attn_cli.vocab import Vocabulary
 
 from .conftest import assert_clean_error, run_attn
@@ -167,53 +165,3 @@ def test_data_reader_rejects_non_data_files(tmp_path, spm_model):
         ParallelData(tmp_path / "e.st")
     with pytest.raises(AttnError, match="not a safetensors"):
         ParallelData(spm_model)
-
-
-@pytest.fixture(scope="module")
-def train_data(corpus, spm_model, tmp_path_factory):
-    out = tmp_path_factory.mktemp("data") / "train.st"
-    assert run_attn("binarize", "--vocab", spm_model, corpus["train.en"], corpus["train.de"],
-                    "-o", out).returncode == 0
-    return ParallelData(out)
-
-
-def test_token_batches_cover_every_pair_once_within_budget(train_data):
-    budget = 600
-    batches = token_batches(train_data.src_lengths, train_data.tgt_lengths, budget, seed=3)
-    everything = np.concatenate(batches)
-    assert sorted(everything.tolist()) == list(range(len(train_data)))
-    for batch in batches:
-        padded = len(batch) * (max(train_data.src_lengths[batch].max(),
-                                   train_data.tgt_lengths[batch].max()) + 1)
-        assert padded <= budget or len(batch) == 1
-
-
-def test_token_batches_group_similar_lengths(train_data):
-    batches = token_batches(train_data.src_lengths, train_data.tgt_lengths, 600, seed=3)
-    real = sum(int(train_data.tgt_lengths[b].sum()) + len(b) for b in batches)
-    padded = sum(len(b) * (int(train_data.tgt_lengths[b].max()) + 1) for b in batches)
-    assert real / padded > 0.9  # bucketing keeps target padding under 10%
-
-
-def test_token_batches_are_reproducible_and_reshuffled_per_epoch(train_data):
-    lengths = (train_data.src_lengths, train_data.tgt_lengths)
-    first = token_batches(*lengths, 600, seed=3, epoch=0)
-    again = token_batches(*lengths, 600, seed=3, epoch=0)
-    other = token_batches(*lengths, 600, seed=3, epoch=1)
-    assert all(np.array_equal(a, b) for a, b in zip(first, again))
-    assert [b.tolist() for b in first] != [b.tolist() for b in other]
-
-
-def test_collate_adds_bos_eos_and_pads(train_data):
-    indices = np.array([0, 5, 9])
-    batch = collate(train_data, indices)
-    for row, index in enumerate(indices):
-        src, tgt = train_data.pair(int(index))
-        assert batch.src_tokens[row, :len(src)].tolist() == src.tolist()
-        assert batch.src_tokens[row, len(src)] == EOS_ID
-        assert (batch.src_tokens[row, len(src) + 1:] == PAD_ID).all()
-        assert batch.tgt_input[row, 0] == BOS_ID
-        assert batch.tgt_input[row, 1:len(tgt) + 1].tolist() == tgt.tolist()
-        assert batch.tgt_output[row, :len(tgt) + 1].tolist() == tgt.tolist() + [EOS_ID]
-    assert int((batch.tgt_output != PAD_ID).sum()) == \
-        sum(len(train_data.pair(int(i))[1]) + 1 for i in indices)

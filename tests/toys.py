@@ -1,9 +1,17 @@
-"""Toy data of our own for end-to-end tests: a treebank whose brackets follow from its words, and
-the sequence-reversal task."""
+"""Toys of our own for tests: a treebank whose brackets follow from its words, trees in the Penn
+Treebank's trickier style, the sequence-reversal task, and models with random weights for tests
+that need a model but not a trained one. (tests/fixtures/make_fixtures.py imports this file too.)"""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
+
+import torch
+
+from attn_cli.config import PRESETS
+from attn_cli.model import Transformer
+from attn_cli.modelfile import save_model
 
 # A toy English grammar whose brackets follow from the words: determiners open noun phrases,
 # prepositions open prepositional phrases, verbs open verb phrases.
@@ -47,3 +55,44 @@ def reversal_pairs(count: int, seed: int, letters: str = "abcdefghij", shortest:
         sources.append(" ".join(word))
         targets.append(" ".join(reversed(word)))
     return sources, targets
+
+
+# Our own trees, in the treebank's style: outer empty brackets, several lines per tree, traces,
+# nested empty elements, function tags and indices, -LRB-/-RRB-.
+TREEBANK = """\
+( (S
+    (NP-SBJ-1 (DT The) (NN cat) )
+    (VP (VBD sat)
+      (PP-LOC (IN on) (NP (DT the) (NN mat) ))
+      (S (NP-SBJ (-NONE- *-1) ) (VP (TO to) (VP (VB rest) ))))
+    (. .) ))
+( (S
+    (NP-SBJ (NNP Alice) (-LRB- -LRB-) (NNP Al) (-RRB- -RRB-) )
+    (VP (VBZ says)
+      (SBAR (-NONE- 0)
+        (S (NP-SBJ (-NONE- *T*-2) ) (VP (-NONE- *?*) ))))
+    (, ,)
+    (ADVP|PRT (RB up) )
+    (. .) ))
+"""
+
+
+def random_model(vocab: int = 7, seed: int = 0) -> Transformer:
+    """The tiny preset's network with random weights for a `vocab`-piece vocabulary, without
+    dropout, in eval mode, its output distributions sharpened a little so that hypotheses
+    differ clearly."""
+    torch.manual_seed(seed)
+    config = PRESETS["tiny"].model_config(vocab, dropout=0.0)
+    model = Transformer(config).eval()
+    with torch.no_grad():
+        model.tgt_embed.weight.mul_(4)
+    return model
+
+
+def save_random_model(path: Path, vocabulary, preset: str = "tiny", seed: int = 0,
+                      **provenance: str) -> Path:
+    """A model file of `preset`'s architecture with random weights and `vocabulary`."""
+    torch.manual_seed(seed)
+    model = Transformer(PRESETS[preset].model_config(len(vocabulary)))
+    save_model(path, model, vocabulary, **provenance)
+    return path

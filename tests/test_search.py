@@ -1,19 +1,16 @@
-"""`attn decode` and `attn score`: beam search against exhaustive search, pipes, metrics."""
+"""Beam search and sampling (search.py): the pure pieces, a toy model with hand-set probabilities,
+beam search against exhaustive search, batch independence, early stopping, sampling."""
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from attn_cli.config import PRESETS
-from attn_cli.model import DecoderCache, Transformer, grow_cache
+from attn_cli.model import DecoderCache, grow_cache
 from attn_cli.search import (
     Beams,
     Finished,
@@ -34,9 +31,9 @@ from attn_cli.search import (
     topk_over_beams,
 )
 
-from .conftest import assert_clean_error, run_attn
+from .toys import random_model
 
-# ------------------------------------------------------------------------------ pure pieces
+# ---------------------------------------------------------------------------------- pure pieces
 
 
 def test_length_penalty_is_gnmt():
@@ -164,7 +161,7 @@ def test_beams_advance_drops_done_sentences_and_reorders_the_cache():
     assert cache.rows.tolist() == [1, 1, 5, 4] and torch.equal(cache.sources, kept)
 
 
-# ---------------------------------------------------------------- a model with set probabilities
+# --------------------------------------------------------------- a model with set probabilities
 
 
 @dataclass(frozen=True)
@@ -213,16 +210,7 @@ def test_beam_finds_what_greedy_misses():
     assert beam.log_prob == pytest.approx(math.log(0.4 * 0.9 * 1.0))
 
 
-# ------------------------------------------------------------------- against exhaustive search
-
-
-def random_model(vocab: int = 7, seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    config = PRESETS["tiny"].model_config(vocab, dropout=0.0)
-    model = Transformer(config).eval()
-    with torch.no_grad():  # sharpen the distributions a little so hypotheses differ clearly
-        model.tgt_embed.weight.mul_(4)
-    return model
+# -------------------------------------------------------------------- against exhaustive search
 
 
 def exhaustive_best(model, src, max_length: int, alpha: float) -> tuple[list[int], float]:
@@ -338,6 +326,19 @@ def test_stopping_when_the_best_candidate_ends_is_a_prefix_of_the_same_search():
     assert greedy[0] == greedy[1] == greedy[2]
 
 
+def test_nbest_is_sorted_and_distinct():
+    model = random_model(vocab=30, seed=4)
+    hypotheses = beam_search(model, torch.tensor([[5, 6, 7, 3]]), beam=5, nbest=5,
+                             max_len_b=8)[0]
+    assert len(hypotheses) == 5
+    scores = [h.score for h in hypotheses]
+    assert scores == sorted(scores, reverse=True)
+    assert len({tuple(h.tokens) for h in hypotheses}) == 5
+
+
+# ------------------------------------------------------------------------------------- sampling
+
+
 @pytest.mark.parametrize("temperature,topk,topp", [(1.0, 0, 1.0), (0.5, 0, 1.0),
                                                    (2.0, 3, 1.0), (1.0, 0, 0.7),
                                                    (1.5, 4, 0.9)])
@@ -384,305 +385,3 @@ def test_sampling_is_reproducible_batch_independent_and_greedy_at_top1():
     greedy = beam_search(model, batch, beam=1, max_len_b=12)
     assert sampled(7, topk=1) == [h[0].tokens for h in greedy]
     assert sampled(9, temperature=0.01) == [h[0].tokens for h in greedy]
-
-
-def test_nbest_is_sorted_and_distinct():
-    model = random_model(vocab=30, seed=4)
-    hypotheses = beam_search(model, torch.tensor([[5, 6, 7, 3]]), beam=5, nbest=5,
-                             max_len_b=8)[0]
-    assert len(hypotheses) == 5
-    scores = [h.score for h in hypotheses]
-    assert scores == sorted(scores, reverse=True)
-    assert len({tuple(h.tokens) for h in hypotheses}) == 5
-
-
-# ----------------------------------------------------------------------- the command line
-
-
-def test_decode_keeps_one_line_per_line_in_order(trained, corpus):
-    model, _ = trained
-    lines = corpus["val.en"].read_text(encoding="utf-8").splitlines()[:6]
-    lines.insert(2, "")
-    lines.insert(5, "   ")
-    lines.append("word " * 3000)  # longer than the model takes: truncated, not dropped
-    stdin = "\n".join(lines) + "\n"
-    result = run_attn("decode", "-m", model, "--beam", "2", "--max-len-b", "5", "--dtype", "fp32",
-                      stdin=stdin)
-    assert result.returncode == 0, result.stderr
-    out = result.stdout.split("\n")
-    assert out[-1] == "" and len(out) - 1 == len(lines)
-    assert out[2] == "" and out[5] == ""
-    assert "truncated" in result.stderr
-    assert "sentences/s" in result.stderr.splitlines()[-1]
-    # Each line translates as it would alone: order kept, batching invisible.
-    alone = run_attn("decode", "-m", model, "--beam", "2", "--max-len-b", "5", "--dtype", "fp32",
-                     stdin=lines[3] + "\n")
-    assert alone.stdout == out[3] + "\n"
-
-
-def test_decode_batches_searched_side_by_side_change_nothing(trained, corpus):
-    """Worker threads searching several batches at once (small batches: many of them) give
-    the output of one batch at a time, and of one line at a time."""
-    model, _ = trained
-    stdin = corpus["val.en"].read_text(encoding="utf-8")
-    common = ["decode", "-m", model, "--beam", "3", "--max-len-b", "6", "--dtype", "fp32"]
-    parallel = run_attn(*common, "--workers", "3", "--threads", "3", "--batch-tokens", "60",
-                        stdin=stdin)
-    serial = run_attn(*common, "--workers", "1", stdin=stdin)
-    alone = run_attn(*common, "--buffer-size", "1", stdin=stdin)
-    assert parallel.returncode == serial.returncode == alone.returncode == 0, parallel.stderr
-    assert parallel.stdout.count("\n") == stdin.count("\n")
-    assert parallel.stdout == serial.stdout == alone.stdout
-
-
-def test_decode_stop_rule_option(trained, corpus):
-    model, _ = trained
-    stdin = corpus["val.en"].read_text(encoding="utf-8")
-    common = ["decode", "-m", model, "--beam", "3", "--max-len-b", "6", "--dtype", "fp32"]
-    quick = run_attn(*common, "--stop", "best-ends", stdin=stdin)
-    assert quick.returncode == 0, quick.stderr
-    assert quick.stdout.count("\n") == stdin.count("\n")
-    alone = run_attn(*common, "--stop", "best-ends", "--buffer-size", "1", stdin=stdin)
-    assert alone.stdout == quick.stdout  # a per-sentence rule: batching changes nothing
-    assert_clean_error(run_attn(*common, "--stop", "soon", stdin=stdin), "--stop", "'soon'")
-
-
-def test_decode_sample_option(trained, corpus):
-    model, _ = trained
-    stdin = "\n".join(corpus["val.en"].read_text(encoding="utf-8").splitlines()[:20]) + "\n"
-    common = ["decode", "-m", model, "--max-len-b", "6", "--dtype", "fp32", "--sample"]
-    first = run_attn(*common, "--seed", "5", "--topp", "0.95", stdin=stdin)
-    assert first.returncode == 0, first.stderr
-    assert first.stdout.count("\n") == 20
-    again = run_attn(*common, "--seed", "5", "--topp", "0.95", "--buffer-size", "1",
-                     stdin=stdin)
-    assert again.stdout == first.stdout  # same seed, other batches: same output
-    other = run_attn(*common, "--seed", "6", "--topp", "0.95", stdin=stdin)
-    assert other.stdout != first.stdout
-    top1 = run_attn(*common, "--topk", "1", stdin=stdin)
-    greedy = run_attn("decode", "-m", model, "--max-len-b", "6", "--dtype", "fp32", "--beam",
-                      "1", stdin=stdin)
-    assert top1.stdout == greedy.stdout
-    assert_clean_error(run_attn(*common, "--nbest", "2", stdin=stdin), "--nbest", "--sample")
-    assert_clean_error(run_attn("decode", "-m", model, "--topk", "5", stdin=stdin), "--sample")
-    assert_clean_error(run_attn(*common, "--topp", "0", stdin=stdin), "--topp")
-    assert_clean_error(run_attn(*common, "--temperature", "0", stdin=stdin), "--temperature")
-
-
-def test_decode_nbest_format(trained):
-    model, _ = trained
-    result = run_attn("decode", "-m", model, "--nbest", "3", "--beam", "4", "--max-len-b", "4",
-                      stdin="a man\n\na dog\n")
-    assert result.returncode == 0, result.stderr
-    rows = [line.split("\t") for line in result.stdout.splitlines()]
-    assert len(rows) == 9 and all(len(row) == 3 for row in rows)
-    assert [row[0] for row in rows] == ["0"] * 3 + ["1"] * 3 + ["2"] * 3
-    scores = [float(row[1]) for row in rows[:3]]
-    assert scores == sorted(scores, reverse=True)
-
-
-def test_decode_streams_before_stdin_ends(trained):
-    model, _ = trained
-    process = subprocess.Popen([sys.executable, "-m", "attn_cli", "decode", "-m", str(model),
-                                "--max-len-b", "4"], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    process.stdin.write(b"a man is walking\n")
-    process.stdin.flush()
-    first = process.stdout.readline()  # arrives while stdin is still open
-    process.stdin.write(b"two dogs\n")
-    process.stdin.close()
-    rest = process.stdout.read()
-    assert process.wait(timeout=60) == 0
-    assert first.endswith(b"\n") and rest.count(b"\n") == 1
-
-
-def test_decode_closed_stdout_ends_quietly(trained):
-    model, _ = trained
-    command = (f"yes 'a man on a bike' | head -n 400 | {sys.executable} -m attn_cli decode "
-               f"-m {model} --max-len-b 3 --buffer-size 10 | head -n 1")
-    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
-                            timeout=120)
-    assert result.stdout.count("\n") == 1
-    assert "Traceback" not in result.stderr and "Broken pipe" not in result.stderr
-
-
-def test_decode_bad_inputs(trained, tmp_path):
-    model, _ = trained
-    assert_clean_error(run_attn("decode", "-m", tmp_path / "none.st", stdin="x\n"),
-                       "does not exist")
-    broken = tmp_path / "broken.st"
-    broken.write_bytes(model.read_bytes()[:1000])
-    assert_clean_error(run_attn("decode", "-m", broken, stdin="x\n"), str(broken))
-    assert_clean_error(run_attn("decode", "-m", model, "-i", tmp_path / "none.txt"),
-                       "none.txt", "does not exist")
-
-
-def test_score_matches_sacrebleu(corpus, tmp_path):
-    import sacrebleu
-
-    references = corpus["val.de"].read_text(encoding="utf-8").splitlines()
-    hypotheses = [" ".join(line.split()[:-1]) for line in references]  # drop each last word
-    hyp = tmp_path / "hyp.de"
-    hyp.write_text("\n".join(hypotheses) + "\n", encoding="utf-8")
-    result = run_attn("score", "--ref", corpus["val.de"], hyp, "--metrics", "bleu,chrf,ter")
-    assert result.returncode == 0, result.stderr
-    bleu, chrf, ter = result.stdout.splitlines()
-    expected = sacrebleu.corpus_bleu(hypotheses, [references])
-    assert bleu.startswith("BLEU|nrefs:1|case:mixed|eff:no|tok:13a")
-    assert f"= {expected.score:.2f} " in bleu
-    assert f"= {sacrebleu.corpus_chrf(hypotheses, [references]).score:.2f}" in chrf
-    assert f"= {sacrebleu.corpus_ter(hypotheses, [references]).score:.2f}" in ter
-    intl = run_attn("score", "--ref", corpus["val.de"], "--tokenize", "intl", "--metrics",
-                    "bleu", stdin=hyp.read_text(encoding="utf-8"))
-    expected_intl = sacrebleu.corpus_bleu(hypotheses, [references], tokenize="intl")
-    assert "tok:intl" in intl.stdout and f"= {expected_intl.score:.2f} " in intl.stdout
-    sentences = run_attn("score", "--ref", corpus["val.de"], hyp, "--sentence-level")
-    assert len(sentences.stdout.splitlines()) == len(references)
-
-
-def test_score_as_json(corpus, tmp_path):
-    import sacrebleu
-
-    references = corpus["val.de"].read_text(encoding="utf-8").splitlines()
-    hypotheses = [" ".join(line.split()[:-1]) for line in references]
-    hyp = tmp_path / "hyp.de"
-    hyp.write_text("\n".join(hypotheses) + "\n", encoding="utf-8")
-    result = run_attn("score", "--ref", corpus["val.de"], hyp, "--format", "json")
-    assert result.returncode == 0, result.stderr
-    scores = json.loads(result.stdout)
-    assert list(scores) == ["BLEU", "chrF2"]
-    assert scores["BLEU"]["score"] == pytest.approx(
-        sacrebleu.corpus_bleu(hypotheses, [references]).score, abs=1e-4)
-    assert scores["BLEU"]["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
-    rows = run_attn("score", "--ref", corpus["val.de"], hyp, "--format", "json",
-                    "--sentence-level", "--metrics", "chrf").stdout.splitlines()
-    assert len(rows) == len(references)
-    assert json.loads(rows[0]) == {"line": 1, "chrf": pytest.approx(
-        sacrebleu.sentence_chrf(hypotheses[0], [references[0]]).score, abs=1e-4)}
-
-
-def test_score_line_count_mismatch(corpus):
-    assert_clean_error(run_attn("score", "--ref", corpus["val.de"], corpus["train.de"]),
-                       "val.de", "train.de", "50", "300")
-
-
-def test_force_decoding_perplexity_equals_training_validation(trained, corpus):
-    model, valid_ppl = trained
-    result = run_attn("score", "-m", model, corpus["val.en"], corpus["val.de"])
-    assert result.returncode == 0, result.stderr
-    rows = result.stdout.splitlines()
-    assert len(rows) == 50 and all(len(row.split("\t")) == 2 for row in rows)
-    reported = float(result.stderr.split("perplexity ")[1].split()[0])
-    assert reported == pytest.approx(valid_ppl, rel=0.005)
-    log_probs = [float(row.split("\t")[0]) for row in rows]
-    tokens = [int(row.split("\t")[1]) for row in rows]
-    assert math.exp(-sum(log_probs) / sum(tokens)) == pytest.approx(reported, rel=1e-3)
-
-
-def test_force_decoding_as_json(trained, corpus):
-    model, _ = trained
-    text = run_attn("score", "-m", model, corpus["val.en"], corpus["val.de"]).stdout
-    rows = run_attn("score", "-m", model, corpus["val.en"], corpus["val.de"], "--format",
-                    "json").stdout.splitlines()
-    assert [json.loads(row) for row in rows] == [
-        {"line": number, "log_prob": pytest.approx(float(line.split("\t")[0]), abs=1e-4),
-         "tokens": int(line.split("\t")[1])}
-        for number, line in enumerate(text.splitlines(), start=1)]
-
-
-def test_score_does_not_import_torch(corpus):
-    code = ("import sys; from attn_cli.cli import main\n"
-            f"try:\n    main(['score', '--ref', r'{corpus['val.de']}', r'{corpus['val.de']}'])\n"
-            "except SystemExit:\n    pass\nprint('torch' in sys.modules, file=sys.stderr)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.stderr.strip().splitlines()[-1] == "False"
-
-
-def test_tree_constraint_gives_balanced_trees_with_the_word_count():
-    from attn_cli.tree_search import TreeConstraint
-
-    pieces = ["<pad>", "<unk>", "<s>", "</s>", "\u2581XX", "\u2581(S", "\u2581)S", "\u2581(NP",
-              "\u2581)NP", "junk"]
-    model = random_model(vocab=len(pieces), seed=5)
-    src = torch.tensor([[4, 5, 6, 3], [7, 3, 0, 0]])
-    words = [3, 1]
-    constraint = TreeConstraint.for_pieces(pieces, eos_id=3, word_counts=words)
-    found = beam_search(model, src, beam=3, nbest=3, max_len_a=0, max_len_b=20,
-                        constraint=constraint)
-    for count, hypotheses in zip(words, found):
-        for hypothesis in hypotheses:
-            tokens = [pieces[t] for t in hypothesis.tokens]
-            assert tokens.count("\u2581XX") == count and "junk" not in tokens
-            depth = 0
-            for token in tokens:
-                depth += token.startswith("\u2581(") - token.startswith("\u2581)")
-                assert depth >= 0
-            assert depth == 0
-            text = " ".join(tokens)
-            assert not any(f"\u2581({label} \u2581){label}" in text for label in ("S", "NP"))
-
-
-def test_library_translates_a_list_of_strings_as_the_command_does(trained):
-    import attn_cli
-    from attn_cli import load_translator
-
-    model, _ = trained
-    lines = ["a man is walking", "", "two dogs play in the snow"]
-    translator = load_translator(model, beam=2, max_len_b=5, threads=1)
-    assert isinstance(translator, attn_cli.Translator)
-    translations = translator.translate(lines)
-    command = run_attn("decode", "-m", model, "--beam", "2", "--max-len-b", "5",
-                       stdin="\n".join(lines) + "\n")
-    assert translations == command.stdout.split("\n")[:-1] and translations[1] == ""
-    with pytest.raises(AttributeError):
-        attn_cli.no_such_name  # noqa: B018
-
-
-
-# ------------------------------------------------------------------------------- ensembles
-
-
-def test_an_ensemble_averages_the_models_log_probabilities():
-    from attn_cli.ensemble import Ensemble
-
-    first, second = random_model(vocab=30, seed=3), random_model(vocab=30, seed=4)
-    src = torch.tensor([[5, 9, 3, 0], [7, 8, 9, 3]])
-    tokens = torch.tensor([2, 2])
-    ensemble = Ensemble([first, second])
-    memory, mask = ensemble.encode(src)
-    log_probs, cache = ensemble.decode_step(tokens, ensemble.start_decoding(memory, mask))
-    expected = []
-    for model in (first, second):
-        logits, _ = model.decode_step(tokens, model.start_decoding(*model.encode(src)))
-        expected.append(torch.log_softmax(logits, dim=-1))
-    torch.testing.assert_close(log_probs, (expected[0] + expected[1]) / 2)
-    # Searched as one model: a model twice is the model; the cache reorders every member.
-    assert [h[0].tokens for h in beam_search(Ensemble([first, first]), src, beam=3,
-                                             max_len_b=8)] == \
-        [h[0].tokens for h in beam_search(first, src, beam=3, max_len_b=8)]
-    both = beam_search(ensemble, src, beam=3, max_len_b=8, nbest=3)
-    assert all(len(h) == 3 for h in both)
-
-
-def test_decode_and_score_take_an_ensemble(trained, corpus, word_parser, tmp_path):
-    model, _ = trained
-    lines = corpus["val.en"].read_text(encoding="utf-8").splitlines()[:10]
-    stdin = "\n".join(lines) + "\n"
-    common = ["decode", "--beam", "2", "--max-len-b", "6", "--dtype", "fp32"]
-    alone = run_attn(*common, "-m", model, stdin=stdin)
-    twice = run_attn(*common, "-m", model, "-m", model, stdin=stdin)
-    assert twice.returncode == 0, twice.stderr
-    assert twice.stdout == alone.stdout and twice.stdout.count("\n") == 10
-    (tmp_path / "src").write_text(stdin, encoding="utf-8")
-    (tmp_path / "tgt").write_text("\n".join(corpus["val.de"].read_text(
-        encoding="utf-8").splitlines()[:10]) + "\n", encoding="utf-8")
-    one = run_attn("score", "-m", model, tmp_path / "src", tmp_path / "tgt")
-    two = run_attn("score", "-m", model, "-m", model, tmp_path / "src", tmp_path / "tgt")
-    assert two.returncode == 0, two.stderr
-    for a, b in zip(one.stdout.splitlines(), two.stdout.splitlines()):
-        assert float(a.split("\t")[0]) == pytest.approx(float(b.split("\t")[0]), abs=1e-3)
-    other = word_parser / "parser.st"  # another vocabulary
-    assert_clean_error(run_attn(*common, "-m", model, "-m", other, stdin=stdin),
-                       "parser.st", "vocabular")
-    assert_clean_error(run_attn("score", "-m", model, "-m", other, tmp_path / "src",
-                                tmp_path / "tgt"), "parser.st", "vocabular")

@@ -1,0 +1,61 @@
+"""§5.4's label-smoothed loss (loss.py), by hand, and fused with the output projection."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attn_cli.loss import label_smoothed_loss, projected_label_smoothed_loss
+
+
+def test_label_smoothing_by_hand():
+    """Loss = -Σ_k q(k) log p(k) with q = (1-ε)·onehot + ε/V; padding targets ignored."""
+    logits = torch.tensor([[2.0, 0.5, -1.0, 0.0], [0.1, 0.2, 0.3, 0.4], [5.0, 5.0, 5.0, 5.0]])
+    target = torch.tensor([1, 3, 0])  # the last one is padding (pad id 0)
+    epsilon = 0.1
+    expected_loss = expected_nll = 0.0
+    for row, gold in ((0, 1), (1, 3)):
+        exp = [math.exp(v) for v in logits[row].tolist()]
+        log_p = [math.log(e / sum(exp)) for e in exp]
+        q = [epsilon / 4 + (1 - epsilon) * (k == gold) for k in range(4)]
+        expected_loss -= sum(qk * lp for qk, lp in zip(q, log_p))
+        expected_nll -= log_p[gold]
+    loss, nll = label_smoothed_loss(logits, target, epsilon, pad_id=0)
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-6)
+    assert nll.item() == pytest.approx(expected_nll, rel=1e-6)
+
+
+@pytest.mark.parametrize("block_rows", [1, 7, 64, 1000])
+@pytest.mark.parametrize("epsilon", [0.0, 0.1])
+def test_projected_loss_equals_the_loss_of_the_logits(block_rows, epsilon):
+    """The fused projection + loss (forward, and the gradients it works out itself) against
+    autograd through `label_smoothed_loss` of the full logits, in float64."""
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(50, 16, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(30, 16, dtype=torch.float64, generator=generator, requires_grad=True)
+    target = torch.randint(1, 30, (50,), generator=generator)
+    loss, nll = label_smoothed_loss(hidden @ weight.T, target, epsilon, pad_id=0)
+    (loss * 0.37).backward()
+    expected = loss.item(), nll.item(), hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    loss, nll = projected_label_smoothed_loss(hidden, weight, target, epsilon, block_rows)
+    (loss * 0.37).backward()
+    assert (loss.item(), nll.item()) == pytest.approx(expected[:2], rel=1e-12)
+    assert not nll.requires_grad
+    torch.testing.assert_close(hidden.grad, expected[2], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(weight.grad, expected[3], rtol=1e-10, atol=1e-12)
+
+
+def test_projected_loss_under_bf16_autocast_matches_the_autocast_logits():
+    """Mixed precision: projections in bf16, softmax in float32, as the unfused path did."""
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(40, 32, generator=generator)
+    weight = torch.randn(50, 32, generator=generator) * 0.3
+    target = torch.randint(1, 50, (40,), generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = hidden @ weight.T
+        fused, _ = projected_label_smoothed_loss(hidden, weight, target, 0.1, block_rows=16)
+    reference, _ = label_smoothed_loss(logits, target, 0.1, pad_id=0)
+    assert fused.item() == pytest.approx(reference.item(), rel=2e-3)
