@@ -61,8 +61,8 @@ def attention_maps(model, sources: list[list[int]], outputs: list[list[int]],
         pairs = list(zip(sources[start:start + sentences_per_pass],
                          outputs[start:start + sentences_per_pass]))
         device = next(model.parameters()).device
-        src, tgt_in, _ = collate_pairs(pairs, config.bos_id, config.eos_id,
-                                       config.pad_id).to(device)
+        batch = collate_pairs(pairs, config.bos_id, config.eos_id, config.pad_id).to(device)
+        src, tgt_in = batch.src_tokens, batch.tgt_input
         with recorded_attention(model) as records:
             memory, src_mask = model.encode(src)
             model.decode(tgt_in, memory, src_mask)

@@ -3,8 +3,9 @@ EOS/BOS included) within a token budget.
 
 Training cuts a data file into length-bucketed, shuffled micro-batches (`token_batches`, §5.1),
 shares a global batch among processes and forward passes (`BatchPlan`), and streams them epoch
-after epoch from a resumable position (`MicroBatchStream`); every teacher-forced pass (training,
-validation loss, `score -m`, attention maps) collates x + EOS, BOS + y and y + EOS (`collate`);
+after epoch from a resumable position (`MicroBatchStream`), a step at a time, collated ahead on a
+GPU (`StepStream`); every teacher-forced pass (training, validation loss, `score -m`, attention
+maps) collates x + EOS, BOS + y and y + EOS, and where the targets are (`collate`);
 searches (`decode`, `parse`, validation by BLEU/F1) cut sources sorted by length
 (`token_budget_batches`) and pad them (`pad_sequences`).
 """
@@ -172,16 +173,35 @@ class MicroBatchStream:
 
 @dataclass(frozen=True)
 class Batch:
-    """Padded int64 arrays: src_tokens = x + EOS, tgt_input = BOS + y, tgt_output = y + EOS."""
+    """Padded int64 arrays (numpy; tensors after `to`): src_tokens = x + EOS, tgt_input = BOS + y,
+    tgt_output = y + EOS; and where the loss is taken: `target_positions`, the flat (row-major)
+    indices of tgt_output's non-padding entries, and `targets`, the tokens there. They are found
+    here, on the host: found on a GPU (a boolean mask) their count would be read back, a wait for
+    the device in every forward pass."""
 
-    src_tokens: np.ndarray  # (B, S)
-    tgt_input: np.ndarray  # (B, T)
-    tgt_output: np.ndarray  # (B, T)
+    src_tokens: np.ndarray | torch.Tensor  # (B, S)
+    tgt_input: np.ndarray | torch.Tensor  # (B, T)
+    tgt_output: np.ndarray | torch.Tensor  # (B, T)
+    target_positions: np.ndarray | torch.Tensor  # (N,)
+    targets: np.ndarray | torch.Tensor  # (N,)
 
-    def to(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(src_tokens, tgt_input, tgt_output) as tensors on `device`."""
-        return tuple(torch.from_numpy(array).to(device, non_blocking=True)
-                     for array in (self.src_tokens, self.tgt_input, self.tgt_output))
+    @property
+    def target_count(self) -> int:
+        return len(self.targets)
+
+    def pinned(self) -> Batch:
+        """As tensors in page-locked memory: copies from there to a GPU run beside its work."""
+        return Batch(*(torch.from_numpy(array).pin_memory() if isinstance(array, np.ndarray)
+                       else array.pin_memory() for array in self._arrays()))
+
+    def to(self, device: torch.device | str) -> Batch:
+        """As tensors on `device` (without waiting for the copy, where the batch is pinned)."""
+        return Batch(*(torch.as_tensor(array).to(device, non_blocking=True)
+                       for array in self._arrays()))
+
+    def _arrays(self) -> tuple:
+        return (self.src_tokens, self.tgt_input, self.tgt_output, self.target_positions,
+                self.targets)
 
 
 def collate_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], bos_id: int = BOS_ID,
@@ -199,12 +219,80 @@ def collate_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], bos_id: 
         tgt_input[row, 1:len(tgt) + 1] = tgt
         tgt_output[row, :len(tgt)] = tgt
         tgt_output[row, len(tgt)] = eos_id
-    return Batch(src_tokens, tgt_input, tgt_output)
+    target_positions = np.flatnonzero(tgt_output != pad_id)
+    return Batch(src_tokens, tgt_input, tgt_output, target_positions,
+                 tgt_output.reshape(-1)[target_positions])
 
 
 def collate(data: ParallelData, indices: np.ndarray) -> Batch:
     """The pairs `indices` of a data file as a `Batch`."""
     return collate_pairs([data.pair(int(i)) for i in indices])
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step's micro-batches: all of them (index arrays, every process's), this
+    process's share collated (each with its place in the step), and the stream's position
+    after them (what a checkpoint of this step records)."""
+
+    micro_batches: list[np.ndarray]
+    mine: list[tuple[int, Batch]]
+    position: tuple[int, int]
+    earlier_budgets: tuple[tuple[int, int], ...]
+
+
+def process_share(data: ParallelData, micro_batches: list[np.ndarray], rank: int,
+                  world_size: int) -> list[tuple[int, Batch]]:
+    """Process `rank`'s micro-batches of a step, every world_size-th from its rank, collated,
+    each with its place in the step (which seeds its dropout)."""
+    return [(place, collate(data, micro_batches[place]))
+            for place in range(rank, len(micro_batches), world_size)]
+
+
+class StepStream:
+    """The steps of a run from a `MicroBatchStream`, this process's share collated. With
+    `ahead` (on a GPU), a background thread collates step s + 1 while the device computes step
+    s: collation is a loop over pairs in Python, and done in line the device would idle
+    through it at every step. With `pinned`, the batches are put in page-locked memory, from
+    which copies to the GPU do not hold up the host. Taking a step ahead changes nothing in
+    what each step holds: the stream is only read in step order, and `position` is the one
+    after the last step given out, not the one taken ahead."""
+
+    def __init__(self, stream: MicroBatchStream, plan: BatchPlan, rank: int, ahead: bool,
+                 pinned: bool = False):
+        self.stream, self.plan, self.rank, self.pinned = stream, plan, rank, pinned
+        self.position, self.earlier_budgets = stream.position, stream.earlier_budgets
+        self._pool = None
+        self._next = None
+        if ahead:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attn-collate")
+            self._next = self._pool.submit(self._collate, *self._take())
+
+    def _take(self) -> tuple[list[np.ndarray], tuple[int, int], tuple[tuple[int, int], ...]]:
+        micro_batches = self.stream.take(self.plan.micro_batches_per_step)
+        return micro_batches, self.stream.position, self.stream.earlier_budgets
+
+    def _collate(self, micro_batches, position, earlier_budgets) -> Step:
+        mine = process_share(self.stream.data, micro_batches, self.rank, self.plan.world_size)
+        if self.pinned:
+            mine = [(place, batch.pinned()) for place, batch in mine]
+        return Step(micro_batches, mine, position, earlier_budgets)
+
+    def next(self) -> Step:
+        if self._pool is None:
+            step = self._collate(*self._take())
+        else:
+            step = self._next.result()
+            self._next = self._pool.submit(self._collate, *self._take())
+        self.position, self.earlier_budgets = step.position, step.earlier_budgets
+        return step
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
 
 # ---------------------------------------------------------------------------------- search

@@ -119,8 +119,9 @@ def adam_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
             name = names[id(parameter)]
             for moment in ADAM_MOMENTS:
                 tensors[adam_tensor(moment, name)] = state[moment].detach().to("cpu").contiguous()
+            # fused Adam's step is a tensor on the parameter's device
             tensors[adam_tensor("step", name)] = torch.as_tensor(
-                state["step"], dtype=torch.float32).reshape(1)
+                state["step"], dtype=torch.float32).reshape(1).to("cpu")
     return tensors
 
 

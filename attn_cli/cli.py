@@ -24,6 +24,8 @@ from .formats import (
     BATCH_TOKENS,
     BUFFER_SIZE,
     COMPOUND_SPLIT,
+    GPU_BATCH_TOKENS,
+    GRAD_SYNC,
     PARSING,
     TRANSLATION,
     VALID_METRICS,
@@ -87,6 +89,7 @@ WordScores = _choices("WordScores", WORD_SCORES)
 OutputFormat = _choices("OutputFormat", ("text", "json"))
 Tokenizer = _choices("Tokenizer", (*TOKENIZERS, COMPOUND_SPLIT))
 ValidMetric = _choices("ValidMetric", VALID_METRICS)
+GradSync = _choices("GradSync", GRAD_SYNC)
 
 
 # Options that decode, parse and score share, declared once.
@@ -100,9 +103,11 @@ ThreadsOption = Annotated[int, typer.Option("--threads", min=0,
 WorkersOption = Annotated[int, typer.Option(
     "--workers", min=0, help="Batches searched side by side, sharing the threads (0: one per "
     "thread on a CPU, 1 on a GPU).")]
-BatchTokensOption = Annotated[int, typer.Option(
-    "--batch-tokens", min=1, help="Source tokens × beam per search batch (score -m: tokens "
-    "per batch).")]
+BatchTokensOption = Annotated[Optional[int], typer.Option(
+    "--batch-tokens", min=1, show_default=False, help="Source tokens × beam per search batch "
+    f"[default: {BATCH_TOKENS} on a CPU, {GPU_BATCH_TOKENS} on a GPU].")]
+ScoreBatchTokensOption = Annotated[int, typer.Option(
+    "--batch-tokens", min=1, help="Tokens per batch of -m's scoring.")]
 BufferSizeOption = Annotated[int, typer.Option(
     "--buffer-size", min=1, help="Lines read ahead and sorted by length (1: interactive, line "
     "by line).")]
@@ -246,8 +251,9 @@ def train(
     seed: int = typer.Option(TRAIN_DEFAULTS["seed"], "--seed",
                              help="Seed for initialisation, batches and dropout."),
     device: DeviceOption = Device.auto,
-    dtype: Precision = typer.Option(Precision.auto, "--dtype", help="auto (bf16 on CUDA, fp32 "
-                                    "on a CPU), fp32, bf16 (autocast; for CUDA: on a CPU no "
+    dtype: Precision = typer.Option(Precision.auto, "--dtype", help="auto (bf16 on a GPU with "
+                                    "bf16 tensor cores, A100 and later; else fp32), fp32, bf16 "
+                                    "(autocast; for CUDA: on a CPU no "
                                     "faster than fp32, and much slower without native bf16, "
                                     "with a warning) or fp16 (CUDA, with loss scaling)."),
     lr_scale: Optional[float] = typer.Option(None, "--lr-scale", min=0.0,
@@ -268,7 +274,11 @@ def train(
                                         help="On resume, restart the warmup schedule."),
     dist_timeout_minutes: float = typer.Option(TRAIN_DEFAULTS["dist_timeout_minutes"],
                                                "--dist-timeout", min=0.1,
-                                               help="Minutes a process waits for the others."),
+                                               help="Minutes a process waits for the others "
+                                               "(longer than a validation and a save)."),
+    grad_sync: GradSync = typer.Option(GradSync.auto, "--grad-sync", help="Precision of the "
+                                       "gradients' all-reduce: auto (bf16 between nodes on "
+                                       "GPUs, fp32 within one), fp32, bf16 (CUDA)."),
     vocab_size: Optional[int] = typer.Option(None, "--vocab-size", min=8,
                                              help="Vocabulary size for --dry-run without data."),
     nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Processes to plan the "
@@ -369,7 +379,7 @@ def decode(
                                       "sharper, above 1 flatter."),
     seed: int = typer.Option(1, "--seed", help="--sample's seed: with the same seed each "
                              "input line gets the same output, however lines are batched."),
-    batch_tokens: BatchTokensOption = BATCH_TOKENS,
+    batch_tokens: BatchTokensOption = None,
     buffer_size: BufferSizeOption = BUFFER_SIZE,
     device: DeviceOption = Device.auto,
     dtype: PrecisionOption = Precision.auto,
@@ -465,7 +475,7 @@ def score(
                                                "-m, one per line)."),
     device: DeviceOption = Device.auto,
     dtype: PrecisionOption = Precision.auto,
-    batch_tokens: BatchTokensOption = BATCH_TOKENS,
+    batch_tokens: ScoreBatchTokensOption = BATCH_TOKENS,
     threads: ThreadsOption = 0,
     max_errors: int = typer.Option(10, "--max-errors", min=0, help="With --trees: error "
                                    "sentences (words that differ from the gold tree's) "
@@ -576,7 +586,7 @@ def parse(
     max_len_a: MaxLenAOption = PARSING.max_len_a,
     max_len_b: int = typer.Option(PARSING.max_len_b, "--max-len-b", min=0,
                                   help=f"... and b (paper: {PARSING.max_len_b})."),
-    batch_tokens: BatchTokensOption = BATCH_TOKENS,
+    batch_tokens: BatchTokensOption = None,
     buffer_size: BufferSizeOption = BUFFER_SIZE,
     device: DeviceOption = Device.auto,
     dtype: PrecisionOption = Precision.auto,

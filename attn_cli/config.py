@@ -241,6 +241,8 @@ class TrainOptions:
     reset_optimizer: bool = _option(False, on_resume=FREE)
     reset_schedule: bool = _option(False, on_resume=FREE)
     dist_timeout_minutes: float = _option(30.0, on_resume=FREE)
+    # the gradients' precision in DDP's all-reduce: auto is bf16 between nodes on GPUs, fp32 else
+    grad_sync: str = _option("auto", on_resume=FREE)  # distributed.GRAD_SYNC
 
     def recipe(self) -> "Recipe":
         """The preset with this run's overrides: what the run actually uses."""

@@ -12,25 +12,42 @@ import torch
 from torch import Tensor, nn
 
 from .errors import AttnError
+from .formats import BATCH_TOKENS, GPU_BATCH_TOKENS
 
 
 def pick_device(option: str, index: int = 0) -> torch.device:
-    """auto: the GPU when torch sees one, else the CPU."""
+    """auto: the GPU when torch sees one, else the CPU. `index`: which of the GPUs torch sees
+    (a training process's local rank)."""
     if option == "auto":
         option = "cuda" if torch.cuda.is_available() else "cpu"
     if option == "cuda":
         if not torch.cuda.is_available():
             raise AttnError("--device cuda, but torch sees no CUDA device")
-        return torch.device("cuda", index % torch.cuda.device_count())
+        if index >= torch.cuda.device_count():
+            raise AttnError(f"GPU {index} asked for, but torch sees {torch.cuda.device_count()} "
+                            "(CUDA_VISIBLE_DEVICES)")
+        return torch.device("cuda", index)
     if option == "cpu":
         return torch.device("cpu")
     raise AttnError(f"--device must be auto, cpu or cuda, not {option!r}")
 
 
+def gpu_has_native_bf16(device: torch.device) -> bool:
+    """bf16 tensor cores: compute capability 8.0 (A100) and later. torch's is_bf16_supported()
+    also says yes below it (V100, T4), where bf16 is emulated and slower than fp32."""
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def search_batch_tokens(device: torch.device) -> int:
+    """The default token budget of a search batch (decode, parse, validation) on `device`."""
+    return GPU_BATCH_TOKENS if device.type == "cuda" else BATCH_TOKENS
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> str:
-    """auto: bf16 on a GPU that has it, fp32 on the CPU. fp16 needs CUDA."""
+    """auto: bf16 on a GPU that has it natively, else fp32 (fp16 is a choice made knowingly:
+    it needs loss scaling). fp16 needs CUDA."""
     if dtype == "auto":
-        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+        return "bf16" if device.type == "cuda" and gpu_has_native_bf16(device) else "fp32"
     if dtype not in ("fp32", "bf16", "fp16"):
         raise AttnError(f"--dtype must be fp32, bf16, fp16 or auto, not {dtype!r}")
     if dtype == "fp16" and device.type != "cuda":
@@ -64,7 +81,12 @@ def cpu_has_native_bf16() -> bool:
 
 
 def warn_if_bf16_is_emulated(dtype: str, device: torch.device, command: str) -> None:
-    """One line on stderr when bf16 is asked for on a CPU that would emulate it."""
+    """One line on stderr when bf16 is asked for on a CPU or GPU that would emulate it."""
+    if dtype == "bf16" and device.type == "cuda" and not gpu_has_native_bf16(device):
+        name = torch.cuda.get_device_name(device)
+        print(f"{command}: warning: --dtype bf16 on {name}, which has no bf16 tensor cores "
+              "(compute capability below 8.0): emulated, slower than fp32; fp16 or fp32 is the "
+              "fast choice", file=sys.stderr, flush=True)
     if dtype == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
         print(f"{command}: warning: --dtype bf16 on a CPU without native bf16 (AVX512-BF16 or "
               "AMX): emulated, about 18x slower than fp32 (measured on an AVX2 CPU); fp32 is the "

@@ -21,6 +21,7 @@ import torch
 
 from .devices import pick_device
 from .errors import AttnError
+from .formats import GRAD_SYNC
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ def start_processes(device_option: str, timeout_minutes: float) -> Processes:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    check_process_layout(device_option)
     device = pick_device(device_option, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -79,6 +81,51 @@ def start_processes(device_option: str, timeout_minutes: float) -> Processes:
     return Processes(rank, world_size, device)
 
 
+def check_process_layout(device_option: str) -> None:
+    """The mistakes that would otherwise go wrong silently or with a traceback from NCCL: more
+    processes on a node than GPUs (two would share one), and tasks started by `srun` without
+    torchrun (each would be a whole job of one process, all writing one run directory)."""
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
+    if "WORLD_SIZE" not in os.environ and tasks > 1:
+        raise AttnError(f"srun started {tasks} tasks of attn train, which makes {tasks} separate "
+                        "one-process runs: start one task per node that runs `torchrun "
+                        "--nnodes N --nproc-per-node GPUS ... -m attn_cli train ...` "
+                        "(srun --ntasks-per-node 1)")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if device_option == "cpu" or local_world == 1 or not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if local_world > gpus:
+        raise AttnError(f"{local_world} processes on this node (torchrun --nproc-per-node) but "
+                        f"torch sees {gpus} GPU(s): start at most one process per GPU, or "
+                        "--device cpu")
+
+
+def gradient_sync_dtype(option: str, processes: Processes) -> str:
+    """The precision DDP all-reduces gradients in. auto: bf16 when the job spans nodes on GPUs,
+    where the network is the bottleneck (base sends 252 MB of float32 gradients per step, big
+    857 MB: tens of ms behind a 100 Gb/s link, against ~10 ms of compute), fp32 within a node.
+    bf16 rounds each process's gradient before the sum (8 bits of mantissa); Adam's update
+    and the parameters stay float32."""
+    if option not in GRAD_SYNC:
+        raise AttnError(f"--grad-sync must be one of {', '.join(GRAD_SYNC)}, not {option!r}")
+    if option == "bf16" and processes.device.type != "cuda":
+        raise AttnError("--grad-sync bf16 needs CUDA (NCCL); gloo sums float32")
+    if option != "auto":
+        return option
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", processes.world_size))
+    spans_nodes = processes.world_size > local_world
+    return "bf16" if spans_nodes and processes.device.type == "cuda" else "fp32"
+
+
+def collective_failed(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed: a peer gone, or a timeout. (NCCL's
+    watchdog aborts the process instead; gloo raises a RuntimeError naming itself.)"""
+    import torch.distributed as dist
+
+    return isinstance(error, getattr(dist, "DistError", ())) or "gloo" in str(error)
+
+
 def stop_processes(processes: Processes) -> None:
     if processes.distributed:
         import torch.distributed as dist
@@ -94,6 +141,18 @@ def all_reduce_sum(values: list[float] | torch.Tensor, processes: Processes) -> 
 
         dist.all_reduce(tensor)
     return tensor.tolist()
+
+
+def gather_to_main(value, processes: Processes) -> list | None:
+    """Every process's `value` (any picklable object), in rank order, on the main process
+    (None on the others)."""
+    if not processes.distributed:
+        return [value]
+    import torch.distributed as dist
+
+    gathered = [None] * processes.world_size if processes.is_main else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered
 
 
 def from_main(value, processes: Processes):
@@ -121,6 +180,10 @@ def same_on_every_rank(processes: Processes, prepare: Callable, facts: Callable)
         report["facts"] = facts(prepared)
     except AttnError as error:
         report["error"] = str(error)
+    except Exception as error:  # noqa: BLE001 (out of memory, a busy GPU, a file system error:
+        # told to every rank, or the others would wait for this one until --dist-timeout)
+        said = " ".join(str(error).split())  # one line (CUDA's messages run over several)
+        report["error"] = f"{type(error).__name__}: {said[:400]}"
     reports: list = [None] * processes.world_size
     dist.all_gather_object(reports, report)
     problem = rank_disagreement(reports)

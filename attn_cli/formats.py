@@ -79,6 +79,8 @@ COMPOUND_SPLIT = "compound-split"
 METRICS_FILE = "metrics.jsonl"
 # What `attn train --valid-metric` scores a run by (validation.py), and which way is better.
 VALID_METRICS = {"loss": "lower", "bleu": "higher", "chrf": "higher", "f1": "higher"}
+# `train --grad-sync`: the precision of the gradients' all-reduce (distributed.py)
+GRAD_SYNC = ("auto", "fp32", "bf16")
 
 # ------------------------------------------------------------------ vocabulary: fixed special ids
 
@@ -123,6 +125,10 @@ class Stop(str, Enum):
 WORD_SCORES = ("given", "joint")
 
 BATCH_TOKENS = 8000  # source tokens × beam held by one search batch (score -m: tokens per batch)
+# ... on a GPU: a search step is a few small kernels per layer, so a batch must hold many
+# sentences to keep it busy (8000 at beam 4 is ~65 sentences; 64000, ~500: a few GB of keys and
+# values for `big`). `score -m` keeps BATCH_TOKENS: it holds every position's logits at once.
+GPU_BATCH_TOKENS = 64000
 BUFFER_SIZE = 2000  # lines read ahead and sorted by length
 # Longest source a model with sinusoidal positions takes, EOS not counted (learned positions:
 # the table's size less one).

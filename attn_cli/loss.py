@@ -13,6 +13,8 @@ formula the fused one is tested against.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -52,6 +54,18 @@ def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, target: Tensor
     return _ProjectedLoss.apply(hidden, weight, target, epsilon, block_rows, with_grad)
 
 
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in on `device_type` (None: autocast is off)."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return torch.get_autocast_dtype(device_type)
+    except TypeError:  # torch < 2.4: one function per device
+        if device_type == "cuda":
+            return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+
+
 class _ProjectedLoss(torch.autograd.Function):
     """With q = (1 - ε)·onehot(y) + ε/V and p = softmax(z), z = h Wᵀ, per row:
     loss = logsumexp(z) - (1 - ε)·z_y - ε·mean(z), NLL = logsumexp(z) - z_y, and
@@ -62,7 +76,11 @@ class _ProjectedLoss(torch.autograd.Function):
     def forward(ctx, hidden: Tensor, weight: Tensor, target: Tensor, epsilon: float,
                 block_rows: int, with_grad: bool) -> tuple[Tensor, Tensor]:
         vocab = weight.shape[0]
-        device_type = hidden.device.type
+        device_type = "cuda" if hidden.is_cuda else "cpu"  # (the meta device: the CPU's rules)
+        # Under fp16 autocast, p - q would be cast to fp16 before the loss scale reaches it (in
+        # backward): probabilities under 6e-8 would flush to zero, under 6e-5 lose bits. Its
+        # two matmuls run in float32 then (TF32 on Ampere and later); bf16 has float32's range.
+        exact_gradients = _autocast_dtype(device_type) == torch.float16
         hidden, weight = hidden.detach(), weight.detach()
         wide = torch.promote_types(weight.dtype, torch.float32)  # float32, or float64 if given
         with torch.autocast(device_type, enabled=False):
@@ -90,8 +108,10 @@ class _ProjectedLoss(torch.autograd.Function):
                 continue
             p_minus_onehot = log_p.exp_().scatter_add_(
                 1, gold, log_p.new_full(gold.shape, -(1 - epsilon)))
-            grad_hidden[start:start + block_rows] = p_minus_onehot @ weight
-            grad_weight += p_minus_onehot.T @ rows
+            with torch.autocast(device_type, enabled=False) if exact_gradients else \
+                    contextlib.nullcontext():
+                grad_hidden[start:start + block_rows] = p_minus_onehot @ weight
+                grad_weight += p_minus_onehot.T @ (rows_wide if exact_gradients else rows)
             with torch.autocast(device_type, enabled=False):
                 grad_hidden[start:start + block_rows] -= epsilon / vocab * weight_sum
                 grad_weight -= epsilon / vocab * rows_wide.sum(0)

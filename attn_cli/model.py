@@ -400,8 +400,10 @@ class Transformer(nn.Module):
                 raise ValueError(f"sequence of {end} positions is longer than the "
                                  f"{self.config.max_positions} learned positions")
             return self.learned_positions.weight[start:end]
-        if end > self.sinusoids.shape[0]:
-            return sinusoidal_positions(end, self.config.d_model).to(self.sinusoids.device)[start:]
+        if end > self.sinusoids.shape[0]:  # a long search: the table grows, once per doubling,
+            # in the table's device and dtype (a bf16 model's positions must stay bf16)
+            grown = sinusoidal_positions(max(end, 2 * self.sinusoids.shape[0]), self.config.d_model)
+            self.sinusoids = grown.to(self.sinusoids)
         return self.sinusoids[start:end]
 
     def embed(self, embedding: nn.Embedding, tokens: Tensor, start: int = 0) -> Tensor:
@@ -435,17 +437,20 @@ class Transformer(nn.Module):
             x = layer(x, memory, src_mask)
         return self.decoder_norm(x) if self.config.norm == "pre" else x
 
-    def forward(self, src_tokens: Tensor, tgt_input: Tensor, output_mask: Tensor | None = None,
-                targets: Tensor | None = None, label_smoothing: float = 0.0):
+    def forward(self, src_tokens: Tensor, tgt_input: Tensor,
+                output_positions: Tensor | None = None, targets: Tensor | None = None,
+                label_smoothing: float = 0.0):
         """src (B, S), tgt_input = BOS + y (B, T) → logits (B, T, V) for y + EOS; with
-        `output_mask` (B, T), only the logits of the masked-in positions, (N, V): training skips
-        the output projection of padding, the largest matmul of a small model. With `targets`
-        (N,), the tokens at those positions, the §5.4 loss instead: (label-smoothed loss sum,
-        NLL sum), computed with the projection a block at a time (loss.py)."""
+        `output_positions` (N,), flat indices into the B × T positions (batching.Batch's
+        target_positions), only the logits there, (N, V): training skips the output projection
+        of padding, the largest matmul of a small model, with no op whose size depends on the
+        data (a GPU would wait to learn it). With `targets` (N,), the tokens at those
+        positions, the §5.4 loss instead: (label-smoothed loss sum, NLL sum), computed with the
+        projection a block at a time (loss.py)."""
         memory, src_mask = self.encode(src_tokens)
         hidden = self.decode(tgt_input, memory, src_mask)
-        if output_mask is not None:
-            hidden = hidden[output_mask]
+        if output_positions is not None:
+            hidden = hidden.flatten(0, 1).index_select(0, output_positions)
         if targets is not None:
             return projected_label_smoothed_loss(hidden, self.tgt_embed.weight, targets,
                                                  label_smoothing)

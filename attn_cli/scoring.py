@@ -154,11 +154,11 @@ def force_decode(models: list, sources: list[str], targets: list[str], device, d
     ensemble = Ensemble([member.model.to(device).eval() for member in models])
     with torch.no_grad():
         for batch in token_budget_batches(lengths, batch_tokens):
-            src, tgt_in, tgt_out = collate_pairs(
-                [(src_ids[i], tgt_ids[i]) for i in batch], config.bos_id, config.eos_id,
-                config.pad_id).to(device)
+            collated = collate_pairs([(src_ids[i], tgt_ids[i]) for i in batch], config.bos_id,
+                                     config.eos_id, config.pad_id).to(device)
+            tgt_out = collated.tgt_output
             with autocast(device, dtype):
-                log_probs = ensemble.log_probs(src, tgt_in)
+                log_probs = ensemble.log_probs(collated.src_tokens, collated.tgt_input)
             picked = log_probs.gather(-1, tgt_out.unsqueeze(-1)).squeeze(-1)
             keep = tgt_out != config.pad_id
             sums = (picked * keep).sum(dim=1).tolist()

@@ -189,8 +189,9 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
     so there are always K of them). Everything but the few finished hypotheses stays in tensors;
     rows are grouped K per sentence, which the model uses to share each source's memory."""
     config, stop = model.config, Stop(stop)
-    banned = list((config.pad_id, config.bos_id) if banned is None else banned)
     batch, device, nbest = src_tokens.shape[0], src_tokens.device, min(nbest, beam)
+    banned = torch.tensor((config.pad_id, config.bos_id) if banned is None else banned,
+                          dtype=torch.long, device=device)  # uploaded once, not every step
     limits = output_limits(src_tokens, config.pad_id, max_len_a, max_len_b, longest)  # (B,)
     finished = Finished(batch, nbest, device)
     memory, src_mask = model.encode(src_tokens)
@@ -202,15 +203,20 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
     constraint = (constraint or Unconstrained(config.eos_id)).to(device)
     state = constraint.start(batch, 1, device)
 
-    for step in range(int(limits.max())):
+    # The lengths at which some sentence reaches its limit: only at those steps can a row be
+    # at its limit, so only then is there anything to look for (on a GPU, a look is a wait).
+    limit_lengths = set(limits.tolist())
+
+    for step in range(max(limit_lengths)):
         logits, cache = model.decode_step(live.tokens.view(-1), cache)
         log_probs = torch.log_softmax(logits.float(), dim=-1).view(*live.scores.shape, -1)
-        log_probs[..., banned] = -math.inf  # never chosen, but not renormalised away
+        log_probs.index_fill_(-1, banned, -math.inf)  # never chosen, but not renormalised away
         limit = limits[live.active]  # (B',)
         at_limit = limit <= step + 1
         log_probs, columns = constraint.candidates(log_probs, state, live.active,
                                                    limit - step - 1, at_limit)
-        only_eos_at_limit(log_probs, at_limit, constraint.eos_column)
+        if step + 1 in limit_lengths:
+            only_eos_at_limit(log_probs, at_limit, constraint.eos_column)
         best, origin, picked = topk_over_beams(live.scores, log_probs, 2 * beam)
         tokens = constraint.token_ids(columns, origin, picked)
         state = constraint.advance(state, origin, tokens)
@@ -221,9 +227,11 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
         bound = constraint.bound(state, chosen, live.active, step + 1, limit)
         done = sentences_done(scores, finished.kth_best[live.active], bound, alpha, beam,
                               stop, finished.best_ended[live.active])
-        kept = (~done).nonzero().squeeze(1) if done.any() else None
-        if kept is not None and len(kept) == 0:
+        kept = (~done).nonzero().squeeze(1)  # the step's one read of which sentences go on
+        if len(kept) == 0:
             break
+        if len(kept) == len(done):
+            kept = None
         state = constraint.select(state, chosen, kept)
         live, cache = live.advance(scores, origin.gather(1, chosen), tokens.gather(1, chosen),
                                    kept, cache)
@@ -318,20 +326,31 @@ class Finished:
                 penalty: float) -> None:
         """The hypotheses ending in EOS among the first K candidates (B', 2K) of each sentence
         (`penalty`: the length penalty of this step's length, EOS included)."""
-        finishing = (ends[:, :beam] & (best[:, :beam] > -math.inf)).nonzero().tolist()
+        finishing = (ends[:, :beam] & (best[:, :beam] > -math.inf)).nonzero()  # (F, 2)
+        if len(finishing) == 0:
+            return
+        rows, ranks = finishing.unbind(1)
+        sentences = live.active[rows]
+        # the sentences whose best candidate ended (several hypotheses may name a sentence)
+        best_ends = torch.zeros_like(self.best_ended, dtype=torch.int32).index_add_(
+            0, sentences, (ranks == 0).to(torch.int32))
+        self.best_ended |= best_ends > 0
+        # Everything the host needs of the F hypotheses in one read (float64 holds the token
+        # ids and the float32 log-probabilities exactly): on a GPU each read is a wait.
+        found = torch.cat([sentences[:, None].double(), best[rows, ranks, None].double(),
+                           live.history[rows, origin[rows, ranks]].double()], dim=1).tolist()
         changed = set()
-        for row, rank in finishing:
-            sentence = int(live.active[row])
-            log_prob = float(best[row, rank])
+        for sentence, log_prob, *tokens in found:
+            sentence = int(sentence)
             self.hypotheses[sentence].append(Hypothesis(
-                live.history[row, origin[row, rank]].tolist(), log_prob / penalty, log_prob))
+                [int(token) for token in tokens], log_prob / penalty, log_prob))
             changed.add(sentence)
-            if rank == 0:
-                self.best_ended[sentence] = True
-        for sentence in changed:
-            if len(self.hypotheses[sentence]) >= self.nbest:
-                self.kth_best[sentence] = sorted(
-                    (h.score for h in self.hypotheses[sentence]), reverse=True)[self.nbest - 1]
+        updated = [sentence for sentence in sorted(changed)
+                   if len(self.hypotheses[sentence]) >= self.nbest]
+        if updated:
+            self.kth_best[updated] = torch.tensor(
+                [sorted((h.score for h in self.hypotheses[sentence]), reverse=True)[
+                    self.nbest - 1] for sentence in updated], device=self.kth_best.device)
 
     def best(self) -> list[list[Hypothesis]]:
         """Each sentence's `nbest` best, best first (one empty hypothesis if none finished)."""
@@ -384,9 +403,11 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
     `uniforms` (B, ≥ longest limit) the random numbers of each sentence (`sentence_uniforms`).
     Returns one hypothesis per sentence, its score the sum of the model's log-probabilities."""
     config = model.config
-    banned = list((config.pad_id, config.bos_id) if banned is None else banned)
     batch, device = src_tokens.shape[0], src_tokens.device
+    banned = torch.tensor((config.pad_id, config.bos_id) if banned is None else banned,
+                          dtype=torch.long, device=device)
     limits = output_limits(src_tokens, config.pad_id, max_len_a, max_len_b, longest)
+    uniforms = uniforms.to(device)  # once: indexed by the live rows on the device each step
     memory, src_mask = model.encode(src_tokens)
     cache = model.start_decoding(memory, src_mask)
     active = torch.arange(batch, device=device)
@@ -397,16 +418,19 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
     for step in range(int(limits.max())):
         logits, cache = model.decode_step(tokens, cache)
         log_probs = torch.log_softmax(logits.float(), dim=-1)
-        log_probs[:, banned] = -math.inf
+        log_probs.index_fill_(-1, banned, -math.inf)
         only_eos_at_limit(log_probs.unsqueeze(1), limits[active] <= step + 1, config.eos_id)
-        tokens = draw(log_probs, uniforms[active.cpu(), step].to(device), temperature, topk,
-                      topp)
+        tokens = draw(log_probs, uniforms[active, step], temperature, topk, topp)
         scores += log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).double()
         ends = tokens == config.eos_id
-        if ends.any():
-            for row in ends.nonzero().squeeze(1).tolist():
-                score = float(scores[row])
-                found[int(active[row])] = [Hypothesis(history[row].tolist(), score, score)]
+        ending = ends.nonzero().squeeze(1)  # the step's one read, as in beam_search
+        if len(ending):
+            # What the host needs of them in one read (float64 holds ids and scores exactly).
+            for sentence, score, *tokens_so_far in torch.cat(
+                    [active[ending, None].double(), scores[ending, None],
+                     history[ending].double()], dim=1).tolist():
+                found[int(sentence)] = [Hypothesis([int(t) for t in tokens_so_far], score,
+                                                   score)]
             kept = (~ends).nonzero().squeeze(1)
             if len(kept) == 0:
                 break

@@ -21,6 +21,7 @@ what they agree on), resume.py (what a resumed run restores and may change).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import signal
 import time
@@ -28,11 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
-import numpy as np
 import torch
 
 from . import checkpoints, resume
-from .batching import BatchPlan, MicroBatchStream, batch_plan, collate, token_batches
+from .batching import Batch, BatchPlan, StepStream, batch_plan, collate, token_batches
 from .checkpoints import ResumePoint, metric_key
 from .config import ModelConfig, Recipe, TrainOptions, get_preset, parse_interval
 from .data import ParallelData
@@ -40,6 +40,9 @@ from .devices import autocast, resolve_dtype, warn_if_bf16_is_emulated
 from .distributed import (
     Processes,
     all_reduce_sum,
+    collective_failed,
+    gather_to_main,
+    gradient_sync_dtype,
     same_on_every_rank,
     start_processes,
     stop_processes,
@@ -57,6 +60,14 @@ def train(options: TrainOptions, display: Display | None = None) -> Path | None:
     try:
         return _train(options, processes,
                       display if display is not None and processes.is_main else _Quiet())
+    except RuntimeError as error:
+        if not (processes.distributed and collective_failed(error)):
+            raise
+        said = " ".join(str(error).split())
+        raise AttnError(f"rank {processes.rank}: waiting for the other processes failed: "
+                        f"{said[:300]} (another process stopped, or took longer than "
+                        f"--dist-timeout {options.dist_timeout_minutes:g} min: it must exceed "
+                        "a validation and a save)") from None
     finally:
         stop_processes(processes)
 
@@ -71,6 +82,7 @@ def _train(options: TrainOptions, processes: Processes, display: Display) -> Pat
     display.start(run.recipe.max_steps, step)
     with StopRequest() as stop, contextlib.ExitStack() as cleanup:
         cleanup.callback(display.stop)
+        cleanup.callback(run.steps.close)
 
         def votes() -> Votes:  # taken at the end of the step that follows `step`
             # Rank 0's clock decides time-based saving and stopping for every rank (a decision
@@ -86,7 +98,7 @@ def _train(options: TrainOptions, processes: Processes, display: Display) -> Pat
             display.step(step, result.loss_sum / result.tgt_tokens, result.lr,
                          window.tgt / max(time.monotonic() - window.start, 1e-9))
             if step % options.log_every == 0 or result.votes.save:
-                row = window.row(step, result.lr, run.stream.position[0], clock.elapsed())
+                row = window.row(step, result.lr, run.steps.position[0], clock.elapsed())
                 checkpoint = _record(run, step, row, save=bool(result.votes.save), clock=clock)
                 last_checkpoint = checkpoint or last_checkpoint
                 window = _Window()
@@ -117,7 +129,7 @@ class _Run:
     run_dir: Path
     data: ParallelData
     valid: ParallelData | None
-    validator: Validator | None  # decodes and scores the validation set (main process)
+    validator: Validator | None  # decodes the validation set (a share per process), scores it
     dtype: str
     plan: BatchPlan
     config: ModelConfig
@@ -125,8 +137,9 @@ class _Run:
     trained: torch.nn.Module  # the model, wrapped by DDP when distributed
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    stream: MicroBatchStream
+    steps: StepStream
     schedule_offset: int  # the step the warmup counts from (--reset-schedule)
+    votes: torch.Tensor  # (3,) float64 on the host, page-locked on a GPU: a step's votes
 
 
 @dataclass
@@ -166,8 +179,8 @@ def _start(options: TrainOptions, processes: Processes,
     prepared = same_on_every_rank(processes, prepare, lambda prepared: resume.rank_facts(
         options, prepared.data, prepared.valid, prepared.point))
     model, point = prepared.model, prepared.point
-    validator = None
-    if prepared.valid is not None and options.valid_metric != "loss" and processes.is_main:
+    validator = None  # on every process: each decodes its share of the validation set
+    if prepared.valid is not None and options.valid_metric != "loss":
         validator = Validator.build(options.valid_metric, prepared.valid,
                                     str(options.valid_ref) if options.valid_ref else None,
                                     options.valid_beam)
@@ -178,10 +191,20 @@ def _start(options: TrainOptions, processes: Processes,
     if processes.distributed:
         from torch.nn.parallel import DistributedDataParallel
 
-        # Gradients live in DDP's communication buckets (no copy in and out of them each step).
+        # Gradients live in DDP's communication buckets (no copy in and out of them each step;
+        # `_step` zeroes them in place, which keeps them there). The one buffer, the sinusoid
+        # table, is a constant: not sent again before every forward pass.
+        constant_buffers = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
+                            inspect.signature(DistributedDataParallel).parameters
+                            else {"broadcast_buffers": False})  # torch < 2.13's name
         trained = DistributedDataParallel(
             model, device_ids=[processes.device.index] if processes.device.type == "cuda"
-            else None, gradient_as_bucket_view=True)
+            else None, gradient_as_bucket_view=True, **constant_buffers)
+        if gradient_sync_dtype(options.grad_sync, processes) == "bf16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            trained.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            processes.log("gradients all-reduced in bf16 (--grad-sync)")
     if processes.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
@@ -191,9 +214,13 @@ def _start(options: TrainOptions, processes: Processes,
                       f"{processes.device}")
         processes.log(plan.describe())
     stream = resume.resumed_stream(prepared.data, plan, options.seed, point, processes)
+    on_gpu = processes.device.type == "cuda"
+    steps = StepStream(stream, plan, processes.rank, ahead=on_gpu, pinned=on_gpu)
+    votes = torch.zeros(3, dtype=torch.float64)
     return _Run(options, recipe, processes, display, run_dir, prepared.data, prepared.valid,
                 validator, dtype, plan, prepared.config, model, trained, prepared.optimizer,
-                prepared.scaler, stream, point.schedule_offset), point
+                prepared.scaler, steps, point.schedule_offset,
+                votes.pin_memory() if on_gpu else votes), point
 
 
 def _model_and_optimizer(options: TrainOptions, processes: Processes, config: ModelConfig,
@@ -259,25 +286,29 @@ def _step(run: _Run, step: int, votes: Callable[[], Votes]) -> StepResult:
     """One optimizer step (the `step + 1`-th): its micro-batches forward and backward, the
     learning rate of the schedule, Adam. `votes()`, taken once the gradients are in, are summed
     over the processes with the losses: one read from the device per step."""
-    micro_batches = run.stream.take(run.plan.micro_batches_per_step)
-    tgt_tokens = sum(int(run.data.tgt_lengths[b].sum()) + len(b) for b in micro_batches)
-    src_tokens = sum(int(run.data.src_lengths[b].sum()) + len(b) for b in micro_batches)
+    taken = run.steps.next()
+    tgt_tokens = sum(int(run.data.tgt_lengths[b].sum()) + len(b) for b in taken.micro_batches)
+    src_tokens = sum(int(run.data.src_lengths[b].sum()) + len(b) for b in taken.micro_batches)
     # Each rank's losses are scaled so that the gradients DDP averages add up to the gradient
     # of (global loss sum / global target tokens).
     loss_scale = run.processes.world_size / tgt_tokens
-    sums = forward_backward(run.trained, run.data, micro_batches, loss_scale,
-                            run.recipe.label_smoothing, run.processes, run.dtype, run.scaler,
-                            seed=(run.options.seed, step))
+    sums = forward_backward(run.trained, taken.mine, loss_scale, run.recipe.label_smoothing,
+                            run.processes, run.dtype, run.scaler, seed=(run.options.seed, step))
     lr = inverse_sqrt_lr(step + 1 - run.schedule_offset, run.config.d_model,
                          run.recipe.warmup, run.recipe.lr_scale)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     asked = votes()
-    votes_now = torch.tensor([asked.stop, asked.save, asked.time_up],
-                             dtype=torch.float64).to(run.processes.device)
+    # Written in place and copied without waiting: the last step's copy from this buffer ended
+    # before its sums were read.
+    run.votes[0], run.votes[1], run.votes[2] = asked.stop, asked.save, asked.time_up
+    votes_now = run.votes.to(run.processes.device, non_blocking=True)
     loss_sum, nll_sum, *summed = all_reduce_sum(torch.cat([sums, votes_now]), run.processes)
+    # Zeroed in place under DDP: gradients set to None would leave its buckets (a fresh
+    # allocation and a copy into them at every step); alone, None saves the zeroing.
+    keep_buckets = run.processes.distributed
     if not math.isfinite(loss_sum):
-        run.optimizer.zero_grad(set_to_none=True)
+        run.optimizer.zero_grad(set_to_none=not keep_buckets)
         good = checkpoints.list_checkpoints(run.run_dir, need_state=True)
         kept = f"the last good checkpoint is {good[-1][1]}" if good else \
             "no checkpoint was written yet"
@@ -285,7 +316,7 @@ def _step(run: _Run, step: int, votes: Callable[[], Votes]) -> StepResult:
                                "Try a lower --lr-scale or a longer --warmup.")
     run.scaler.step(run.optimizer)
     run.scaler.update()
-    run.optimizer.zero_grad(set_to_none=True)
+    run.optimizer.zero_grad(set_to_none=not keep_buckets)
     return StepResult(loss_sum, nll_sum, tgt_tokens, src_tokens, lr, Votes(*summed))
 
 
@@ -295,29 +326,26 @@ def dropout_seed(seed: int, step: int, micro_batch: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + micro_batch) % (2 ** 63)
 
 
-def forward_backward(trained: torch.nn.Module, data: ParallelData,
-                     micro_batches: list[np.ndarray], loss_scale: float, epsilon: float,
-                     processes: Processes, dtype: str, scaler: torch.amp.GradScaler,
-                     seed: tuple[int, int]) -> torch.Tensor:
-    """Accumulate the gradients of this process's share of one step's micro-batches (every
-    world_size-th, from its rank), each loss multiplied by `loss_scale`. DDP synchronises the
-    gradients on the last backward only. Returns this process's (loss sum, NLL sum) as a
-    float64 tensor on the device: summed there, read once per step (a read per micro-batch
-    would make the host wait for the device each time)."""
-    pad_id = unwrap(trained).config.pad_id
-    positions = range(processes.rank, len(micro_batches), processes.world_size)
+def forward_backward(trained: torch.nn.Module, batches: list[tuple[int, Batch]],
+                     loss_scale: float, epsilon: float, processes: Processes, dtype: str,
+                     scaler: torch.amp.GradScaler, seed: tuple[int, int]) -> torch.Tensor:
+    """Accumulate the gradients of this process's share of one step's micro-batches
+    (batching.process_share: each with its place in the step), each loss multiplied by
+    `loss_scale`. DDP synchronises the gradients on the last backward only. Returns this
+    process's (loss sum, NLL sum) as a float64 tensor on the device: summed there, read once
+    per step (a read per micro-batch would make the host wait for the device each time)."""
     sums = torch.zeros(2, dtype=torch.float64, device=processes.device)
-    for count, position in enumerate(positions, start=1):
-        torch.manual_seed(dropout_seed(*seed, position))
-        src, tgt_in, tgt_out = collate(data, micro_batches[position]).to(processes.device)
-        keep = tgt_out != pad_id
-        last = count == len(positions)
+    for count, (place, host_batch) in enumerate(batches, start=1):
+        torch.manual_seed(dropout_seed(*seed, place))
+        batch = host_batch.to(processes.device)
+        last = count == len(batches)
         sync = contextlib.nullcontext() if last or not processes.distributed else \
             trained.no_sync()
         with sync:
             with autocast(processes.device, dtype):
-                loss, nll = trained(src, tgt_in, output_mask=keep, targets=tgt_out[keep],
-                                    label_smoothing=epsilon)
+                loss, nll = trained(batch.src_tokens, batch.tgt_input,
+                                    output_positions=batch.target_positions,
+                                    targets=batch.targets, label_smoothing=epsilon)
             scaler.scale(loss * loss_scale).backward()
         sums += torch.stack([loss.detach(), nll]).double()
     return sums
@@ -344,23 +372,52 @@ def _record(run: _Run, step: int, row: dict, save: bool, clock: _Clock) -> Path 
 
 
 def validate(run: _Run) -> dict:
-    """The validation fields of a metrics row: loss and perplexity (every process), the
-    metric's score (decoded on the main process), which metric, and the seconds it all took
-    (apart from training time: the next row's tokens/s counts training steps only)."""
+    """The validation fields of a metrics row: loss and perplexity, the metric's score, which
+    metric, and the seconds it all took (apart from training time: the next row's tokens/s
+    counts training steps only). Every process takes its share of the work."""
     started = time.monotonic()
     fields = evaluate(run.trained, run.valid, run.plan.max_tokens, run.recipe.label_smoothing,
                       run.processes, run.dtype)
     if run.validator is not None:
-        try:
-            with autocast(run.processes.device, run.dtype):
-                fields[metric_key(run.validator.metric)] = run.validator.score(run.model)
-        except (AttnError, RecursionError, RuntimeError, ValueError) as error:
-            # A validation that fails must not end hours of training: said, and the run goes on.
-            run.processes.log(f"validation by {run.validator.metric} failed, the run goes on "
-                              f"without that score: {type(error).__name__}: {error}")
+        score = validation_score(run.validator, run.model, run.processes, run.dtype)
+        if score is not None:
+            fields[metric_key(run.validator.metric)] = score
     fields["valid_metric"] = run.options.valid_metric
     fields["valid_s"] = time.monotonic() - started
     return fields
+
+
+# What a validation by decoding may raise without ending hours of training: said, and the run
+# goes on without that score.
+_VALIDATION_ERRORS = (AttnError, RecursionError, RuntimeError, ValueError)
+
+
+def validation_score(validator: Validator, model: Transformer, processes: Processes,
+                     dtype: str) -> float | None:
+    """The validation metric's score (main process; None elsewhere, and where it failed): each
+    process decodes every world_size-th batch, the main process gathers the outputs and scores
+    them. On 8 GPUs the decoding takes an eighth of the time one process would, with no GPU
+    waiting for another; the outputs are those of one process (each batch is searched
+    alone)."""
+    try:
+        with autocast(processes.device, dtype):
+            share = {"output": validator.search(model, processes.rank, processes.world_size)}
+    except _VALIDATION_ERRORS as error:
+        share = {"error": f"{type(error).__name__}: {error}"}
+    shares = gather_to_main(share, processes)
+    if not processes.is_main:
+        return None
+    failed = next((share["error"] for share in shares if "error" in share), None)
+    try:
+        if failed is None:
+            output = {index: tokens for share in shares for index, tokens in
+                      share["output"].items()}
+            return validator.score_texts(validator.texts(output))
+    except _VALIDATION_ERRORS as error:
+        failed = f"{type(error).__name__}: {error}"
+    processes.log(f"validation by {validator.metric} failed, the run goes on without that "
+                  f"score: {failed}")
+    return None
 
 
 @torch.no_grad()
@@ -372,14 +429,19 @@ def evaluate(model: torch.nn.Module, data: ParallelData, max_tokens: int, epsilo
     was_training = bare.training
     bare.eval()
     batches = token_batches(data.src_lengths, data.tgt_lengths, max_tokens, seed=0)
-    totals = torch.zeros(3, dtype=torch.float64, device=processes.device)
+    totals = torch.zeros(2, dtype=torch.float64, device=processes.device)
+    tokens = 0
     for indices in batches[processes.rank::processes.world_size]:
-        src, tgt_in, tgt_out = collate(data, indices).to(processes.device)
-        keep = tgt_out != bare.config.pad_id
+        batch = collate(data, indices)
+        tokens += batch.target_count
+        batch = batch.to(processes.device)
         with autocast(processes.device, dtype):
-            loss, nll = bare(src, tgt_in, output_mask=keep, targets=tgt_out[keep],
+            loss, nll = bare(batch.src_tokens, batch.tgt_input,
+                             output_positions=batch.target_positions, targets=batch.targets,
                              label_smoothing=epsilon)
-        totals += torch.stack([loss, nll, keep.sum()]).double()
+        totals += torch.stack([loss, nll]).double()
+    totals = torch.cat([totals, torch.tensor([tokens], dtype=torch.float64,
+                                             device=processes.device)])
     loss_sum, nll_sum, tokens = all_reduce_sum(totals, processes)
     bare.train(was_training)
     return {"valid_loss": loss_sum / tokens, "valid_nll": nll_sum / tokens,
@@ -390,10 +452,10 @@ def _save(run_dir: Path, step: int, run: _Run, elapsed: float) -> Path | None:
     """The model and its training state after `step`, then the old checkpoints pruned."""
     if not run.processes.is_main:
         return None
-    epoch, offset = run.stream.position
+    epoch, offset = run.steps.position
     point = ResumePoint(step=step, epoch=epoch, offset=offset, elapsed_seconds=elapsed,
                         schedule_offset=run.schedule_offset, batch_plan=run.plan.record(),
-                        earlier_budgets=run.stream.earlier_budgets)
+                        earlier_budgets=run.steps.earlier_budgets)
     state = checkpoints.ResumeState(point, options=run.options.record(), adam={},
                                     scaler=run.scaler.state_dict() if run.scaler.is_enabled()
                                     else {})

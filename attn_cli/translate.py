@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from .batching import pad_sequences, token_budget_batches
-from .devices import inference_dtype, pack_for_cpu_inference
+from .devices import inference_dtype, pack_for_cpu_inference, search_batch_tokens
 from .ensemble import Ensemble, load_models
 from .errors import AttnError
 from .files import STRICT, Utf8Policy
-from .formats import BATCH_TOKENS, BUFFER_SIZE, MAX_SOURCE_TOKENS, TRANSLATION, Stop
+from .formats import BUFFER_SIZE, MAX_SOURCE_TOKENS, TRANSLATION, Stop
 from .modelfile import LoadedModel
 from .search import Hypothesis, beam_search, output_limits, sample, sentence_uniforms
 
@@ -47,7 +47,8 @@ class DecodeOptions:
     topp: float = 1.0
     temperature: float = 1.0
     seed: int = 1
-    batch_tokens: int = BATCH_TOKENS  # source tokens × beam held by one search batch
+    # source tokens × beam held by one search batch; None: devices.search_batch_tokens
+    batch_tokens: int | None = None
     buffer_size: int = BUFFER_SIZE
     raw: bool = False
     workers: int = 1  # batches searched at once, each by its own thread
@@ -314,7 +315,9 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
     paths = list(model_path) if isinstance(model_path, (list, tuple)) else [model_path]
     (loaded, *ensemble), chosen, threads = load_models(paths, device, threads)
     workers, worker_threads = search_workers(threads, workers, chosen)
-    settings = dataclasses.replace(settings, workers=workers, worker_threads=worker_threads)
+    settings = dataclasses.replace(settings, workers=workers, worker_threads=worker_threads,
+                                   batch_tokens=settings.batch_tokens or
+                                   search_batch_tokens(chosen))
     return Translator(loaded, settings, chosen, inference_dtype(dtype, chosen), warn=warn,
                       constraint_for=constraint_for(loaded) if constraint_for else None,
                       ensemble=ensemble)

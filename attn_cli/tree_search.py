@@ -103,6 +103,8 @@ class TreeConstraint:
         self.columns = torch.isin(piece_classes, torch.tensor(kinds)).nonzero().squeeze(1)  # (F,)
         self.column_classes = piece_classes[self.columns]
         self.eos_column = int((self.column_classes == self.END).nonzero()[0])
+        # Where a hypothesis is stuck (no class fits its room), what the repair may take.
+        self.when_stuck = torch.tensor([False, True, False, True, True])
         self.word_starts = None  # the pieces that start a word, which "given" sums over
         if self.required is not None:
             self.word_starts = ((piece_classes == self.TERMINAL)
@@ -139,7 +141,7 @@ class TreeConstraint:
         """This constraint with its tensors on `device`."""
         moved = copy.copy(self)
         for name in ("piece_classes", "word_count_of", "columns", "column_classes", "required",
-                     "boundary", "word_starts"):
+                     "boundary", "word_starts", "when_stuck"):
             tensor = getattr(self, name)
             setattr(moved, name, None if tensor is None else tensor.to(device))
         return moved
@@ -212,8 +214,7 @@ class TreeConstraint:
             (missing <= 0) & (depth == 0),  # the end
         ], dim=-1)  # (B', K, classes)
         stuck = ~by_class.any(dim=-1, keepdim=True)  # out of room: let the repair cope
-        return by_class | (stuck & torch.tensor([False, True, False, True, True],
-                                                device=depth.device))
+        return by_class | (stuck & self.when_stuck)
 
     def advance(self, state: tuple[Tensor, Tensor, Tensor], origin: Tensor,
                 tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -19,10 +19,11 @@ import torch
 
 from .batching import pad_sequences, token_budget_batches
 from .data import ParallelData
+from .devices import search_batch_tokens
 from .errors import AttnError
 from .evalb import EvalbMismatch, evalb_tree, trees_f1
 from .files import display_name, read_raw_lines
-from .formats import BATCH_TOKENS, EOS_ID, PARSING, TRANSLATION, VALID_METRICS
+from .formats import EOS_ID, PARSING, TRANSLATION, VALID_METRICS
 from .search import beam_search
 from .tree_search import model_terminals, tree_constraint_for
 from .trees import delinearize, read_treebank
@@ -38,11 +39,11 @@ class Validator:
     words: list[list[str]]  # the source sentences' words (for trees)
     references: list  # reference texts, or gold trees (EvalbTree) for f1
     tgt_vocab: object
-    batch_tokens: int
+    batch_tokens: int | None  # None: devices.search_batch_tokens
 
     @classmethod
     def build(cls, metric: str, data: ParallelData, reference_path: str | None = None,
-              beam: int = 1, batch_tokens: int = BATCH_TOKENS) -> "Validator":
+              beam: int = 1, batch_tokens: int | None = None) -> "Validator":
         if metric not in VALID_METRICS or metric == "loss":
             raise AttnError(f"no validation decoding for the metric {metric!r}")
         tgt_vocab = data.tgt_vocab or data.src_vocab
@@ -60,16 +61,25 @@ class Validator:
 
     def hypotheses(self, model: torch.nn.Module) -> list[str]:
         """The model's output for every validation source, detokenized, in order."""
+        return self.texts(self.search(model))
+
+    def search(self, model: torch.nn.Module, rank: int = 0,
+               world_size: int = 1) -> dict[int, list[int]]:
+        """The output tokens of process `rank`'s share of the validation sources (every
+        world_size-th batch; all of them by default), by source index. Each batch is searched
+        alone, so the shares put together are the output of one process."""
         settings = PARSING if self.metric == "f1" else TRANSLATION
         constraint_for = self._tree_constraint(model) if self.metric == "f1" else None
         device = next(model.parameters()).device
         learned = model.config.positions == "learned"
-        output: list[list[int]] = [[] for _ in self.sources]
+        output: dict[int, list[int]] = {}
         was_training = model.training
         model.eval()
         try:
             lengths = [len(ids) for ids in self.sources]
-            for batch in token_budget_batches(lengths, max(1, self.batch_tokens // self.beam)):
+            budget = self.batch_tokens or search_batch_tokens(device)
+            batches = token_budget_batches(lengths, max(1, budget // self.beam))
+            for batch in batches[rank::world_size]:
                 src = pad_sequences([self.sources[i] for i in batch],
                                     model.config.pad_id).to(device)
                 constraint = constraint_for([" ".join(self.words[i]) for i in batch]) \
@@ -82,7 +92,11 @@ class Validator:
                     output[index] = hypotheses[0].tokens
         finally:
             model.train(was_training)
-        return self.tgt_vocab.decode(output)
+        return output
+
+    def texts(self, output: dict[int, list[int]]) -> list[str]:
+        """Every source's output (all the processes' shares), detokenized, in order."""
+        return self.tgt_vocab.decode([output[index] for index in range(len(self.sources))])
 
     def _tree_constraint(self, model: torch.nn.Module):
         """Parsers are validated as the recipes parse, `attn parse --constrain`: well-formed

@@ -675,8 +675,9 @@ def stage_decoding(args, work: Path) -> dict:
     found: dict = {}
     outputs: dict = {}
     configs = {
-        "beam4_auto": [],
+        "beam4_auto": [],  # 64000 batch tokens on a GPU
         "beam4_fp32": ["--dtype", "fp32"],
+        "beam4_bt8000": ["--batch-tokens", 8000],  # the CPU's default
         "beam4_bt32000": ["--batch-tokens", 32000],
         "beam4_bt64000": ["--batch-tokens", 64000],
         "beam4_best_ends": ["--stop", "best-ends"],

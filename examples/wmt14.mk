@@ -12,6 +12,11 @@
 #   NPROC=8            GPUs on this node (torchrun); NNODES, NODE_RANK, MASTER for several nodes:
 #                      WORK must then be a directory every node sees (a shared file system), as
 #                      every rank resumes from rank 0's checkpoints
+#   MIRROR=URL         fetch the archives by their file names from a mirror instead (file:///dir
+#                      or http://host/dir: a machine without the internet, a cluster's copy), with
+#   CHECKSUMS=FILE     their SHA-256s (`sha256sum` output), if they are not the releases' own
+#   DEV_SRC DEV_REF TEST_SRC TEST_REF   newstest2013/2014 from local files instead of sacrebleu's
+#                      download
 #
 # Batches: 25000 source + 25000 target tokens per step over all GPUs (--batch-tokens 25000);
 # --max-tokens caps each GPU's forward pass, gradient accumulation makes up the rest, and the
@@ -34,8 +39,13 @@ VOCAB_SAMPLE ?= 4000000
 ifdef DRYRUN
 MAKEFLAGS += --dry-run
 endif
-TORCHRUN = torchrun --nnodes $(NNODES) --node-rank $(NODE_RANK) --nproc-per-node $(NPROC) \
+TORCHRUN_COMMAND ?= torchrun
+ifeq ($(NNODES),1)
+TORCHRUN = $(TORCHRUN_COMMAND) --standalone --nproc-per-node $(NPROC)
+else
+TORCHRUN = $(TORCHRUN_COMMAND) --nnodes $(NNODES) --node-rank $(NODE_RANK) --nproc-per-node $(NPROC) \
 	--rdzv-backend c10d --rdzv-endpoint $(MASTER)
+endif
 PAIR = $(SRC)-$(TGT)
 
 .PHONY: all base big data clean
@@ -51,14 +61,25 @@ ARCHIVE = $(DOWNLOAD)/$(notdir $(URL_$*))
 TRAIN_SRC = $(foreach corpus,$(CORPORA),$(DOWNLOAD)/$(FILES_$(corpus)).$(SRC))
 TRAIN_TGT = $(foreach corpus,$(CORPORA),$(DOWNLOAD)/$(FILES_$(corpus)).$(TGT))
 
+FETCH_URL = $(if $(MIRROR),$(MIRROR)/$(notdir $(URL_$*)),$(URL_$*))
+# The archive's SHA-256 check: the release's own, or the mirror's line of CHECKSUMS
+ifdef CHECKSUMS
+CHECK_ARCHIVE = grep -E '[[:space:]]\*?$(notdir $(URL_$*))$$' $(abspath $(CHECKSUMS)) | \
+	sed 's|[[:space:]]\+\*\?$(notdir $(URL_$*))$$|  $(ARCHIVE)|' | sha256sum -c --quiet -
+CHECK_SIZE = true
+else
+CHECK_ARCHIVE = echo "$(SHA256_$*)  $(ARCHIVE)" | sha256sum -c --quiet -
+CHECK_SIZE = test "$$(stat -c %s $(ARCHIVE))" = "$(SIZE_$*)" || { echo "$(ARCHIVE): $$(stat -c \
+	%s $(ARCHIVE)) bytes, not $(SIZE_$*): run make again to resume the download" >&2; exit 1; }
+endif
+
 # One corpus: its archive fetched (resumed where a cut download stopped), checked, extracted
 # (giga-fren's text is gzipped inside its tar), and the corpus's two files looked for.
 $(DOWNLOAD)/%.extracted:
 	mkdir -p $(DOWNLOAD)
-	cd $(DOWNLOAD) && wget -c --progress=dot:giga $(URL_$*)
-	test "$$(stat -c %s $(ARCHIVE))" = "$(SIZE_$*)" || { echo "$(ARCHIVE): $$(stat -c %s \
-		$(ARCHIVE)) bytes, not $(SIZE_$*): run make again to resume the download" >&2; exit 1; }
-	echo "$(SHA256_$*)  $(ARCHIVE)" | sha256sum -c --quiet - || { rm -f $(ARCHIVE); \
+	$(CHECK_ARCHIVE) 2>/dev/null || curl -fL --retry 3 -C - -o $(ARCHIVE) $(FETCH_URL)
+	$(CHECK_SIZE)
+	$(CHECK_ARCHIVE) || { rm -f $(ARCHIVE); \
 		echo "$(ARCHIVE) is corrupt (SHA-256): deleted; run make again" >&2; exit 1; }
 	tar -xf $(ARCHIVE) -C $(DOWNLOAD)
 	find $(DOWNLOAD) -name '$(notdir $(FILES_$*)).*.gz' -exec gunzip -f {} +
@@ -71,13 +92,21 @@ $(WORK)/train.$(SRC) $(WORK)/train.$(TGT) &: $(CORPORA:%=$(DOWNLOAD)/%.extracted
 
 $(WORK)/valid.$(SRC) $(WORK)/valid.$(TGT) &:
 	mkdir -p $(WORK)
+ifdef DEV_SRC
+	cp $(DEV_SRC) $(WORK)/valid.$(SRC) && cp $(DEV_REF) $(WORK)/valid.$(TGT)
+else
 	sacrebleu -t wmt13 -l $(PAIR) --echo src > $(WORK)/valid.$(SRC)
 	sacrebleu -t wmt13 -l $(PAIR) --echo ref > $(WORK)/valid.$(TGT)
+endif
 
 $(WORK)/test.$(SRC) $(WORK)/test.$(TGT) &:
 	mkdir -p $(WORK)
+ifdef TEST_SRC
+	cp $(TEST_SRC) $(WORK)/test.$(SRC) && cp $(TEST_REF) $(WORK)/test.$(TGT)
+else
 	sacrebleu -t wmt14/full -l $(PAIR) --echo src > $(WORK)/test.$(SRC)
 	sacrebleu -t wmt14/full -l $(PAIR) --echo ref > $(WORK)/test.$(TGT)
+endif
 
 $(WORK)/spm.model: $(WORK)/train.$(SRC) $(WORK)/train.$(TGT)
 	$(ATTN) vocab $^ -o $@ --size $(VOCAB_SIZE) --type bpe --sample $(VOCAB_SAMPLE)

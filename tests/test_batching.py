@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from attn_cli import batching
 from attn_cli.batching import collate, pad_sequences, token_batches, token_budget_batches
@@ -62,6 +63,14 @@ def test_collate_adds_bos_eos_and_pads(train_data):
         assert batch.tgt_output[row, :len(tgt) + 1].tolist() == tgt.tolist() + [EOS_ID]
     assert int((batch.tgt_output != PAD_ID).sum()) == \
         sum(len(train_data.pair(int(i))[1]) + 1 for i in indices)
+    # Where the loss is taken, found on the host: what a boolean mask would pick, in its order.
+    mask = torch.from_numpy(batch.tgt_output) != PAD_ID
+    assert batch.target_count == int(mask.sum())
+    hidden = torch.randn(*batch.tgt_output.shape, 5)
+    moved = batch.to("cpu")
+    assert torch.equal(hidden.flatten(0, 1).index_select(0, moved.target_positions),
+                       hidden[mask])
+    assert torch.equal(moved.targets, moved.tgt_output[mask])
 
 
 # ---------------------------------------------------- the batch plan and the micro-batch stream
@@ -139,3 +148,32 @@ def test_search_batches_hold_each_sentence_once_within_the_budget():
 def test_pad_sequences_left_aligns_and_pads():
     assert pad_sequences([[5, 6, 7], [8], [9, 10]], pad_id=0).tolist() == [
         [5, 6, 7], [8, 0, 0], [9, 10, 0]]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_steps_collated_ahead_are_the_steps_collated_in_line(train_data, world_size):
+    """On a GPU a thread collates step s + 1 while step s computes (into page-locked memory
+    there; plain here): the steps, each process's share and the position a checkpoint records
+    are those of collating each step when it comes."""
+    plan = batching.batch_plan(2400, 400, world_size)
+    for rank in range(world_size):
+        inline = batching.StepStream(batching.MicroBatchStream(train_data, plan.max_tokens, 5),
+                                     plan, rank, ahead=False)
+        ahead = batching.StepStream(batching.MicroBatchStream(train_data, plan.max_tokens, 5),
+                                    plan, rank, ahead=True)
+        assert ahead.position == inline.position == (0, 0)
+        try:
+            for _ in range(40):  # past the end of an epoch
+                expected, step = inline.next(), ahead.next()
+                assert ahead.position == inline.position == step.position
+                assert ahead.earlier_budgets == inline.earlier_budgets
+                assert [b.tolist() for b in step.micro_batches] == \
+                    [b.tolist() for b in expected.micro_batches]
+                assert [place for place, _ in step.mine] == list(
+                    range(rank, plan.micro_batches_per_step, world_size))
+                for (_, got), (_, want) in zip(step.mine, expected.mine):
+                    assert all(np.array_equal(np.asarray(a), b)
+                               for a, b in zip(got._arrays(), want._arrays()))
+            assert inline.position[0] >= 1  # an epoch went by
+        finally:
+            ahead.close()

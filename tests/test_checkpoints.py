@@ -9,13 +9,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from attn_cli import checkpoints, training
 from attn_cli.checkpoints import (
     list_checkpoints,
     prune_checkpoints,
     state_path,
     truncate_metrics,
 )
+from attn_cli.config import PRESETS
 from attn_cli.formats import METRICS_FILE
+from attn_cli.model import Transformer
 from attn_cli.modelfile import load_model
 from attn_cli.vocab import Vocabulary
 
@@ -109,3 +112,25 @@ def test_average_refuses_mismatched_models(vocabulary, tmp_path):
 def test_average_of_an_empty_directory(tmp_path):
     assert_clean_error(run_attn("average", tmp_path, "--last", 5, "-o", tmp_path / "x.st"),
                        "no checkpoint")
+
+
+def test_adam_state_is_saved_from_the_host_and_restored_where_fused_adam_keeps_it():
+    """Fused Adam keeps each parameter's step as a float32 tensor on the parameter's device
+    (the GPU): saved, every tensor is copied to the host first; restored, the step goes back
+    to the parameter's device as float32, and the next step continues the count."""
+    torch.manual_seed(0)
+    model = Transformer(PRESETS["tiny"].model_config(20, dropout=0.0))
+    optimizer = training.adam(model)
+    model(torch.tensor([[4, 5, 3]]), torch.tensor([[2, 6, 7]])).sum().backward()
+    optimizer.step()
+    saved = checkpoints.adam_tensors(model, optimizer)
+    assert saved and all(tensor.device.type == "cpu" for tensor in saved.values())
+    again = training.adam(model)
+    checkpoints.restore_adam(model, again, saved)
+    fused = bool(again.defaults.get("fused"))
+    for parameter in model.parameters():
+        step = again.state[parameter]["step"]
+        assert torch.is_tensor(step) and step.dtype == torch.float32 and float(step) == 1.0
+        assert step.device == (parameter.device if fused else torch.device("cpu"))
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(again.state[parameter][moment], optimizer.state[parameter][moment])

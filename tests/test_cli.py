@@ -80,8 +80,10 @@ def test_search_defaults_are_the_papers_everywhere(command, paper):
     defaults = {param.name: param.default for param in click_command.params}
     assert (defaults["beam"], defaults["alpha"], defaults["max_len_a"],
             defaults["max_len_b"]) == paper
-    assert defaults["batch_tokens"] == formats.BATCH_TOKENS
+    assert defaults["batch_tokens"] is None  # by device: devices.search_batch_tokens
     help_text = run_attn(*command, "--help").stdout
+    assert f"{formats.BATCH_TOKENS} on a CPU, {formats.GPU_BATCH_TOKENS} on a GPU" in \
+        " ".join(help_text.replace("│", " ").split())
     for value in paper[::3]:  # beam and b are named in the help as the paper's
         assert f"(paper: {value})" in help_text
     if command == ("decode",):  # the library translates with what the command does

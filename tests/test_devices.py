@@ -17,7 +17,7 @@ from attn_cli.config import PRESETS
 from attn_cli.model import Transformer
 from attn_cli.modelfile import load_model
 
-from .conftest import run_attn, train_args
+from .conftest import assert_clean_error, run_attn, train_args
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 GOLDEN = json.loads((FIXTURES / "golden.json").read_text(encoding="utf-8"))
@@ -63,6 +63,75 @@ def test_packed_weights_for_cpu_inference_compute_the_same():
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     torch.testing.assert_close(packed, expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(alone[0], packed[2])
+
+
+# ------------------------------------------------------------- choosing devices, on any machine
+
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+
+
+@no_cuda
+@pytest.mark.parametrize("argv", [
+    ("decode", "-m", str(FIXTURE_MODEL), "--device", "cuda"),
+    ("train", "data.st", "-o", "run", "--device", "cuda"),
+    ("score", "-m", str(FIXTURE_MODEL), "a", "b", "--device", "cuda"),
+    ("train", "data.st", "-o", "run", "--device", "cpu", "--dtype", "fp16"),
+])
+def test_asking_for_cuda_without_it_is_one_error_line(argv, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b"):
+        (tmp_path / name).write_text("x\n", encoding="utf-8")
+    assert_clean_error(run_attn(*argv, stdin="x\n"), "CUDA" if "fp16" not in argv else "fp16")
+
+
+def fake_gpus(monkeypatch, count: int, capability: tuple[int, int]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
+
+
+@pytest.mark.parametrize("capability,expected", [((7, 0), "fp32"), ((7, 5), "fp32"),
+                                                  ((8, 0), "bf16"), ((9, 0), "bf16")])
+def test_auto_precision_is_bf16_only_where_it_has_tensor_cores(monkeypatch, capability,
+                                                               expected):
+    """torch's is_bf16_supported() says yes on a V100 or T4 (emulated bf16, slower than fp32):
+    auto goes by the compute capability instead, and an explicit bf16 there is warned about."""
+    fake_gpus(monkeypatch, 1, capability)
+    assert devices.resolve_dtype("auto", torch.device("cuda", 0)) == expected
+    assert devices.resolve_dtype("auto", torch.device("cpu")) == "fp32"
+
+
+def test_bf16_on_a_gpu_without_tensor_cores_is_warned_about(monkeypatch, capsys):
+    fake_gpus(monkeypatch, 1, (7, 0))
+    devices.warn_if_bf16_is_emulated("bf16", torch.device("cuda", 0), "train")
+    warning = capsys.readouterr().err
+    assert warning.count("\n") == 1 and "Tesla V100" in warning and "emulated" in warning
+
+
+def test_more_processes_than_gpus_or_srun_without_torchrun_is_one_error(monkeypatch):
+    from attn_cli.distributed import check_process_layout
+    from attn_cli.errors import AttnError
+
+    fake_gpus(monkeypatch, 2, (9, 0))
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(name, raising=False)
+    check_process_layout("auto")  # one process
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(AttnError, match="4 processes on this node .* torch sees 2 GPU"):
+        check_process_layout("auto")
+    check_process_layout("cpu")  # gloo processes share the CPU: any number
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    check_process_layout("cuda")
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
+    with pytest.raises(AttnError, match="srun started 8 tasks.*torchrun"):
+        check_process_layout("auto")
+    with pytest.raises(AttnError, match="GPU 2 asked for, but torch sees 2"):
+        devices.pick_device("cuda", 2)
 
 
 # ------------------------------------------------------------------------------------- on a GPU
@@ -119,3 +188,64 @@ def test_scoring_on_a_gpu_gives_the_cpus_log_probabilities(dtype, tolerance, tmp
         scores[device] = [json.loads(line)["log_prob"] for line in result.stdout.splitlines()]
     assert len(scores["cuda"]) == len(GOLDEN["inputs"])
     assert scores["cuda"] == pytest.approx(scores["cpu"], abs=tolerance)
+
+
+@pytest.mark.gpu
+def test_a_training_step_on_a_gpu_makes_no_host_sync(data_files):
+    """The CPU's count of data-dependent ops (test_training.py), on CUDA itself: torch raises
+    at any synchronizing call inside a step's forward and backward."""
+    from attn_cli import distributed, training
+    from attn_cli.batching import MicroBatchStream, process_share
+    from attn_cli.data import ParallelData
+
+    data = ParallelData(data_files[0])
+    device = torch.device("cuda", 0)
+    model = Transformer(PRESETS["tiny"].model_config(len(data.src_vocab))).to(device).train()
+    micro_batches = MicroBatchStream(data, 600, seed=1).take(2)
+    share = [(place, batch.pinned()) for place, batch in process_share(data, micro_batches, 0,
+                                                                        1)]
+    tokens = sum(int(data.tgt_lengths[b].sum()) + len(b) for b in micro_batches)
+    processes = distributed.Processes(0, 1, device)
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    training.forward_backward(model, share, 1 / tokens, 0.1, processes, "bf16", scaler,
+                              seed=(1, 0))  # warm-up: first calls may sync (allocations)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sums = training.forward_backward(model, share, 1 / tokens, 0.1, processes, "bf16",
+                                         scaler, seed=(1, 1))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(sums).all()
+
+
+@pytest.mark.gpu
+def test_bf16_decoding_on_a_gpu_runs_past_the_position_table(tmp_path):
+    """Review F3 on the device it was found for: a 1,000-piece source, bf16, outputs allowed
+    to run past position 1,024."""
+    source = " ".join(["a"] * 1000) + "\n"
+    result = run_attn("decode", "-m", FIXTURE_MODEL, "--device", "cuda", "--dtype", "bf16",
+                      "--beam", "2", "--max-len-b", "60", stdin=source)
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 1
+
+
+@pytest.mark.gpu
+def test_fused_adam_on_a_gpu_is_saved_from_the_host_and_restored_on_the_device():
+    from attn_cli import checkpoints, training
+
+    device = torch.device("cuda", 0)
+    model = Transformer(PRESETS["tiny"].model_config(20, dropout=0.0)).to(device)
+    optimizer = training.adam(model)
+    model(torch.tensor([[4, 5, 3]], device=device),
+          torch.tensor([[2, 6, 7]], device=device)).sum().backward()
+    optimizer.step()
+    saved = checkpoints.adam_tensors(model, optimizer)
+    assert all(tensor.device.type == "cpu" for tensor in saved.values())
+    again = training.adam(model)
+    checkpoints.restore_adam(model, again, saved)
+    for parameter in model.parameters():
+        step = again.state[parameter]["step"]
+        assert step.dtype == torch.float32 and float(step) == 1.0
+        if again.defaults.get("fused"):
+            assert step.device == parameter.device

@@ -8,13 +8,16 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
-from attn_cli import batching, distributed
+from attn_cli import batching, distributed, training
 from attn_cli.checkpoints import list_checkpoints
+from attn_cli.config import TrainOptions
 from attn_cli.data import ParallelData
 
 from .conftest import (
@@ -42,6 +45,22 @@ def test_rank_disagreement_names_the_rank_and_what_differs():
         distributed.rank_disagreement([same[0], {"host": "b", "facts": other_data}])
     failed = [same[0], {"host": "b", "error": "data file x.st does not exist"}]
     assert distributed.rank_disagreement(failed) == "rank 1 (on b): data file x.st does not exist"
+
+
+def test_gradients_are_all_reduced_in_bf16_between_nodes_on_gpus_only(monkeypatch):
+    from attn_cli.errors import AttnError
+
+    gpu = distributed.Processes(3, 16, torch.device("cuda", 3))
+    cpu = distributed.Processes(3, 16, torch.device("cpu"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 2 nodes of 8
+    assert distributed.gradient_sync_dtype("auto", gpu) == "bf16"
+    assert distributed.gradient_sync_dtype("auto", cpu) == "fp32"  # gloo sums float32
+    assert distributed.gradient_sync_dtype("fp32", gpu) == "fp32"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # one node of 16
+    assert distributed.gradient_sync_dtype("auto", gpu) == "fp32"
+    assert distributed.gradient_sync_dtype("bf16", gpu) == "bf16"
+    with pytest.raises(AttnError, match="--grad-sync bf16 needs CUDA"):
+        distributed.gradient_sync_dtype("bf16", cpu)
 
 
 # ------------------------------------------------------------------------------------ processes
@@ -154,3 +173,145 @@ def test_a_rank_that_cannot_see_rank_0s_run_directory_stops_every_rank(data_file
         assert_clean_error(result, "rank 1 (on ", "holds no checkpoint-2.st",
                            "shared file system")
     assert [step for step, _ in list_checkpoints(shared)] == [2]
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_accumulating_equal_one_process_accumulating(data_files, tmp_path):
+    """DDP with gradient accumulation (`no_sync` on every pass but the last): 2 processes x 2
+    passes of 300 tokens train the parameters of 1 process x 4 passes, dropout on."""
+    common = ["--batch-tokens", 1200, "--max-tokens", 300, "--max-steps", 3]
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = run_attn(*train_args(data_files[0], one, *common))
+    assert single.returncode == 0, single.stderr
+    assert "4 accumulation step(s)" in single.stderr
+    double = torchrun(2, *train_args(data_files[0], two, *common))
+    assert double.returncode == 0, double.stderr
+    assert "2 accumulation step(s)" in double.stderr
+    assert_same_weights(final_weights(one), final_weights(two), atol=1e-5)
+
+
+# ------------------------------------------------------------- inside the processes (mp.spawn)
+
+
+def in_two_processes(work, *arguments) -> list:
+    """`work(rank, *arguments)` in 2 gloo processes started like torchrun's; what each
+    returns (JSON), in rank order."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = Path(arguments[-1])
+    mp.spawn(_in_process, args=(work, port, arguments), nprocs=2, join=True)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def _in_process(rank: int, work, port: int, arguments: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+                      RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      OMP_NUM_THREADS="1")
+    processes = distributed.start_processes("cpu", 1.0)
+    try:
+        result = work(processes, *arguments)
+    finally:
+        distributed.stop_processes(processes)
+    (Path(arguments[-1]) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _gradient_addresses(processes, data: str, out: str) -> dict:
+    options = TrainOptions(data=Path(data), output=Path(out) / "run", preset="tiny",
+                           batch_tokens=1200, max_tokens=300, device="cpu", max_steps=4)
+    run, _ = training._start(options, processes, training._Quiet())
+    addresses = []
+    for step in range(4):
+        training._step(run, step, training.Votes)
+        addresses.append([None if p.grad is None else p.grad.data_ptr()
+                          for p in run.model.parameters()])
+    run.steps.close()
+    return {"addresses": addresses}
+
+
+@pytest.mark.slow
+def test_gradients_stay_in_ddps_buckets_from_step_to_step(data_files, tmp_path):
+    """DDP keeps gradients as views of its communication buckets (gradient_as_bucket_view):
+    zeroed in place after each step, never set to None (which would make every step allocate
+    them anew and copy them into the buckets). DDP rebuilds its buckets once, after the first
+    step (in the order the gradients came): from then on, the same memory."""
+    for result in in_two_processes(_gradient_addresses, str(data_files[0]), str(tmp_path)):
+        _, second, *later = result["addresses"]
+        assert None not in second
+        assert all(addresses == second for addresses in later)
+
+
+def _failing_start(processes, out: str) -> dict:
+    from attn_cli.errors import AttnError
+
+    def prepare():
+        if processes.rank == 1:
+            raise MemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore details")
+        return "ready"
+
+    try:
+        distributed.same_on_every_rank(processes, prepare, lambda prepared: {})
+    except AttnError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+@pytest.mark.slow
+def test_any_failure_of_a_rank_at_start_stops_every_rank(tmp_path):
+    """Not only attn's own errors: an out-of-memory (or any exception) on one rank is told to
+    every rank, in one line, instead of leaving them waiting for it until --dist-timeout."""
+    for result in in_two_processes(_failing_start, str(tmp_path)):
+        assert result["error"] == ("rank 1 (on " + socket.gethostname() + "): MemoryError: "
+                                   "CUDA out of memory. Tried to allocate 2.00 GiB more details")
+
+
+# -------------------------------------------------------------------- validation while training
+
+SLOW_SCORING = """\
+import os, sys, time
+from attn_cli import validation
+from attn_cli.cli import main
+
+original = validation.Validator.score_texts
+
+def slow(self, texts):  # the main process scores: as slow as a large validation set
+    time.sleep(float(os.environ["SCORING_SECONDS"]))
+    return original(self, texts)
+
+validation.Validator.score_texts = slow
+main(sys.argv[1:])
+"""
+
+
+def torchrun_script(nproc: int, script: Path, seconds: float, *args):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), str(script), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "SCORING_SECONDS": str(seconds)})
+
+
+@pytest.mark.slow
+def test_validation_by_bleu_on_two_processes_and_past_the_timeout(data_files, tmp_path):
+    """Every process decodes a share of the validation set, the main one scores it. A slow
+    scoring within --dist-timeout (12 s) ends well, with a BLEU row at each save; one past it
+    stops every process with an error, not a hang."""
+    script = tmp_path / "slow_scoring.py"
+    script.write_text(SLOW_SCORING, encoding="utf-8")
+    common = ["--valid", data_files[1], "--valid-metric", "bleu", "--save-every", 2,
+              "--max-steps", 4, "--dist-timeout", 0.2]
+    run_dir = tmp_path / "run"
+    result = torchrun_script(2, script, 2, *train_args(data_files[0], run_dir, *common))
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "valid_bleu" in row] == [2, 4]
+    started = time.monotonic()
+    late = torchrun_script(2, script, 20, *train_args(data_files[0], tmp_path / "late",
+                                                      *common))
+    assert late.returncode != 0
+    assert time.monotonic() - started < 120
+    assert "error: rank 1: waiting for the other processes failed" in late.stderr
+    assert "--dist-timeout 0.2 min: it must exceed a validation and a save" in late.stderr
+    assert "]: Traceback" not in late.stderr  # none from a rank (torchrun prints its own)

@@ -3,9 +3,14 @@ it uses, so the recipes cannot rot while the command line changes."""
 
 from __future__ import annotations
 
+import gzip
+import hashlib
+import os
 import re
 import shlex
 import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -131,10 +136,11 @@ def test_wmt_recipes_read_what_they_download(recipe, src, tgt, corpora):
     download = "/nonexistent-work/download"
     fetched = {}
     for line in lines:
-        match = re.search(r"wget (.*) (http\S+)$", line)
+        match = re.search(r"curl (.*) -o (\S+) (http\S+)$", line)
         if match:
-            assert "-c" in match.group(1).split(), line  # a cut download resumes
-            fetched[match.group(2)] = f"{download}/{match.group(2).rsplit('/', 1)[1]}"
+            assert "-C -" in match.group(1), line  # a cut download resumes
+            fetched[match.group(3)] = match.group(2)
+            assert match.group(2) == f"{download}/{match.group(3).rsplit('/', 1)[1]}"
     assert len(fetched) == corpora and set(fetched) <= set(WMT_ARCHIVES)
     text = "\n".join(lines)
     members = set()
@@ -178,3 +184,93 @@ def test_parse_recipe_uses_the_full_treebank_split_when_given(tmp_path):
     text = " ".join(dry_run("wsj-parse", PTB=str(tmp_path)))
     assert "--preset parse-wsj" in text and "--beam 21 --alpha 0.3" in text
     assert "02/wsj_0201.mrg" in text and "21/wsj_2101.mrg" in text and "23/wsj_2301.mrg" in text
+
+
+# ------------------------------------------------------------------ a WMT recipe, end to end
+
+BUNDLED = EXAMPLES / "multi30k" / "data"
+
+
+def bundled_lines(name: str, start: int, count: int) -> list[str]:
+    with gzip.open(BUNDLED / f"{name}.gz", "rt", encoding="utf-8") as handle:
+        return handle.read().splitlines()[start:start + count]
+
+
+def stand_in_mirror(directory: Path) -> Path:
+    """The en-de archives with the releases' layout (training/europarl-v7.de-en.en, ...; one
+    text gzipped inside, as giga-fren's is), a hundred Multi30k pairs in each, and their
+    SHA-256s in `sha256sum`'s format: what a mirror on a machine without the internet holds."""
+    directory.mkdir()
+    layout = {"training-parallel-europarl-v7.tgz": "training/europarl-v7.de-en",
+              "training-parallel-commoncrawl.tgz": "commoncrawl.de-en",
+              "training-parallel-nc-v9.tgz": "training/news-commentary-v9.de-en"}
+    sums = []
+    for number, (archive, inside) in enumerate(layout.items()):
+        staging = directory / f"staging-{number}"
+        for side in ("en", "de"):
+            path = staging / f"{inside}.{side}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            text = "\n".join(bundled_lines(f"train.{side}", 100 * number, 100)) + "\n"
+            if number == 1 and side == "de":
+                path = path.with_name(path.name + ".gz")
+                path.write_bytes(gzip.compress(text.encode("utf-8")))
+            else:
+                path.write_text(text, encoding="utf-8")
+        with tarfile.open(directory / archive, "w:gz") as tar:
+            for path in sorted(staging.rglob("*")):
+                if path.is_file():
+                    tar.add(path, arcname=str(path.relative_to(staging)))
+        digest = hashlib.sha256((directory / archive).read_bytes()).hexdigest()
+        sums.append(f"{digest}  {archive}")
+    (directory / "SHA256SUMS").write_text("\n".join(sums) + "\n", encoding="utf-8")
+    return directory
+
+
+@pytest.mark.slow
+def test_wmt_recipe_runs_end_to_end_from_a_mirror(tmp_path):
+    """`make base` of the en-de recipe on a stand-in mirror (file://), through every target:
+    the downloads checked against the mirror's SHA-256s and extracted, a vocabulary from a
+    sample of the lines, binarized data, a few training steps under torchrun, the average,
+    the decoded test set and the three BLEU scores. A second `make` finds it all done; a
+    corrupted archive is deleted with one message."""
+    mirror = stand_in_mirror(tmp_path / "mirror")
+    for split, name in (("dev", "val"), ("test", "test_2016_flickr")):
+        for side in ("en", "de"):
+            (tmp_path / f"{split}.{side}").write_text(
+                "\n".join(bundled_lines(f"{name}.{side}", 0, 30)) + "\n", encoding="utf-8")
+    work = tmp_path / "work"
+    settings = {
+        "WORK": work, "MIRROR": f"file://{mirror}", "CHECKSUMS": mirror / "SHA256SUMS",
+        "DEV_SRC": tmp_path / "dev.en", "DEV_REF": tmp_path / "dev.de",
+        "TEST_SRC": tmp_path / "test.en", "TEST_REF": tmp_path / "test.de",
+        "ATTN": f"{sys.executable} -m attn_cli", "PYTHON": sys.executable,
+        "TORCHRUN_COMMAND": f"{sys.executable} -m torch.distributed.run", "NPROC": 1,
+        "VOCAB_SIZE": 300, "VOCAB_SAMPLE": 250, "PRESET_base": "tiny", "STEPS_base": 4,
+        "SAVE_base": 2, "AVERAGE_base": 2, "MAX_TOKENS": 1000, "DTYPE": "fp32"}
+
+    def make(*targets):
+        return subprocess.run(["make", "-C", str(EXAMPLES / "wmt14-en-de"), *targets,
+                               *(f"{key}={value}" for key, value in settings.items())],
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    result = make("base")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (work / "train.en").read_text(encoding="utf-8").count("\n") == 300
+    assert [path.name for path in sorted((work / "base").glob("checkpoint-*.st"))
+            if ".state" not in path.name] == ["checkpoint-2.st", "checkpoint-4.st"]
+    assert len((work / "base.test.de").read_text(encoding="utf-8").splitlines()) == 30
+    scores = (work / "base.bleu").read_text(encoding="utf-8").splitlines()
+    assert len(scores) == 4 and scores[0].startswith("BLEU") and "chrF" in scores[1]
+    assert "intl" in scores[2] and "compound-split" in scores[3]
+    again = make("base")
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout
+
+    # A corrupt archive: deleted, with a message, and the make fails.
+    (work / "download" / "commoncrawl.extracted").unlink()
+    archive = work / "download" / "training-parallel-commoncrawl.tgz"
+    archive.write_bytes(archive.read_bytes()[:-10] + b"0123456789")
+    (mirror / archive.name).write_bytes(archive.read_bytes())
+    broken = make(str(work / "download" / "commoncrawl.extracted"))
+    assert broken.returncode != 0 and "is corrupt (SHA-256): deleted" in broken.stderr
+    assert not archive.exists()

@@ -3,6 +3,7 @@ beam search against exhaustive search, batch independence, early stopping, sampl
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from attn_cli.model import DecoderCache, grow_cache
+from attn_cli.model import DecoderCache, grow_cache, sinusoidal_positions
 from attn_cli.search import (
     Beams,
     Finished,
@@ -31,7 +32,7 @@ from attn_cli.search import (
     topk_over_beams,
 )
 
-from .toys import random_model
+from .toys import HostReads, random_model
 
 # ---------------------------------------------------------------------------------- pure pieces
 
@@ -385,3 +386,60 @@ def test_sampling_is_reproducible_batch_independent_and_greedy_at_top1():
     greedy = beam_search(model, batch, beam=1, max_len_b=12)
     assert sampled(7, topk=1) == [h[0].tokens for h in greedy]
     assert sampled(9, temperature=0.01) == [h[0].tokens for h in greedy]
+
+
+# ------------------------------------------------------------------------------ on a GPU's terms
+
+
+class CountedSteps:
+    """A model whose decode steps are counted."""
+
+    def __init__(self, model):
+        self.model, self.config, self.steps = model, model.config, 0
+
+    def encode(self, src_tokens):
+        return self.model.encode(src_tokens)
+
+    def start_decoding(self, memory, src_mask):
+        return self.model.start_decoding(memory, src_mask)
+
+    def decode_step(self, tokens, cache):
+        self.steps += 1
+        return self.model.decode_step(tokens, cache)
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_a_search_step_waits_for_the_device_a_fixed_number_of_times(beam):
+    """On a GPU each read of a result (a count, a value, the finished hypotheses) is a wait for
+    the device. A step of beam search on 8 sentences reads which hypotheses finished (and, when
+    some did, their tokens in one read) and which sentences go on; whether a row is at its
+    length limit only at the lengths where some sentence has its limit; never once per
+    hypothesis. (`.tolist()` of a CPU tensor dispatches no op: those reads are not counted.)"""
+    model = CountedSteps(random_model(vocab=40, seed=5))
+    generator = torch.Generator().manual_seed(9)
+    sentences = [torch.randint(4, 40, (n,), generator=generator).tolist() + [3]
+                 for n in (3, 9, 1, 6, 12, 4, 7, 2)]
+    width = max(map(len, sentences))
+    batch = torch.tensor([s + [0] * (width - len(s)) for s in sentences])
+    limit_lengths = set(output_limits(batch, 0, 1.0, 10, None).tolist())
+    with HostReads() as reads:
+        found = beam_search(model, batch, beam=beam, nbest=beam, max_len_b=10)
+    assert sum(len(hypotheses) for hypotheses in found) == 8 * beam  # many finished
+    assert len(reads.seen) <= 2 * model.steps + 2 * len(limit_lengths), (model.steps,
+                                                                         reads.seen)
+
+
+def test_bf16_search_runs_past_the_sinusoid_table():
+    """A model converted to bf16 (decode --dtype bf16) searching past its position table:
+    the table grows in the model's dtype (float32 positions would meet bf16 weights)."""
+    model = random_model(vocab=30, seed=3)
+    model.config = dataclasses.replace(model.config, max_positions=8)
+    model.sinusoids = model.sinusoids[:8].clone()
+    model = model.to(torch.bfloat16)
+    src = torch.tensor([[5, 9, 7, 3]])
+    found = beam_search(model, src, beam=2, max_len_a=0, max_len_b=20, stop="limit")
+    assert found[0][0].score > -math.inf  # live hypotheses ran on to position 20
+    assert model.sinusoids.dtype == torch.bfloat16 and model.sinusoids.shape[0] >= 20
+    torch.testing.assert_close(model.sinusoids[:20].float(),
+                               sinusoidal_positions(20, model.config.d_model), atol=4e-3,
+                               rtol=0)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from attn_cli import config, distributed, training
+from attn_cli import checkpoints, config, distributed, training
 from attn_cli import model as model_module
+from attn_cli.batching import MicroBatchStream, process_share
 from attn_cli.checkpoints import list_checkpoints
 from attn_cli.config import PRESETS
 from attn_cli.data import ParallelData
@@ -19,7 +20,7 @@ from attn_cli.model import Transformer
 from attn_cli.modelfile import load_model
 
 from .conftest import assert_clean_error, run_attn, train_args
-from .toys import reversal_pairs
+from .toys import HostReads, reversal_pairs
 
 # --------------------------------------------------------------------------- recipe, by formula
 
@@ -56,8 +57,8 @@ def test_accumulated_micro_batches_equal_one_batch(data_files):
 
     def gradients(micro_batches):
         model.zero_grad()
-        training.forward_backward(model, data, micro_batches, 1 / tokens, 0.1, processes,
-                                  "fp32", scaler, seed=(1, 0))
+        training.forward_backward(model, process_share(data, micro_batches, 0, 1), 1 / tokens,
+                                  0.1, processes, "fp32", scaler, seed=(1, 0))
         return {name: p.grad.clone() for name, p in model.named_parameters()}
 
     together, accumulated = gradients([indices]), gradients(halves)
@@ -173,3 +174,104 @@ REVERSAL_MAX_NLL = 0.4
 
 
 REVERSAL_MIN_EXACT = 0.5
+
+
+# ------------------------------------------------------------------- what a GPU would wait for
+
+
+def test_a_training_step_makes_the_host_wait_for_nothing(data_files):
+    """On a GPU, an op whose result size depends on the data (a boolean mask's nonzero) or a
+    value read back makes the host wait for the device, and the device then idles while the
+    host catches up. A step's micro-batches forward and backward, and the validation loss,
+    hold none of them: where the targets are comes from collation, on the host. (The step's
+    one read, its sums, is `all_reduce_sum`'s `.tolist()`.)"""
+    data, valid = ParallelData(data_files[0]), ParallelData(data_files[1])
+    model = Transformer(PRESETS["tiny"].model_config(len(data.src_vocab))).train()
+    stream = MicroBatchStream(data, 600, seed=1)
+    micro_batches = stream.take(2)
+    tokens = sum(int(data.tgt_lengths[b].sum()) + len(b) for b in micro_batches)
+    processes = distributed.Processes(0, 1, torch.device("cpu"))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    with HostReads() as reads:
+        sums = training.forward_backward(model, process_share(data, micro_batches, 0, 1),
+                                         1 / tokens, 0.1, processes, "fp32", scaler,
+                                         seed=(1, 0))
+        training.evaluate(model, valid, 600, 0.1, processes, "fp32")
+    assert reads.seen == []
+    assert torch.isfinite(sums).all() and all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("preset", ["base", "big"])
+def test_the_papers_models_train_on_the_meta_device_without_waiting(preset):
+    """`base` and `big` at a full-size batch (128 sentences of 200 tokens each side): shapes
+    check, and forward and backward hold no op that would make a GPU wait. On the meta device,
+    so it takes no memory and no time."""
+    config = PRESETS[preset].model_config(37000)
+    with torch.device("meta"):
+        model = Transformer(config).train()
+    model.to("meta")  # the sinusoid table, made on the CPU
+    batch, length = 128, 200
+    src = torch.zeros(batch, length, dtype=torch.long, device="meta")
+    tgt = torch.zeros(batch, length, dtype=torch.long, device="meta")
+    positions = torch.zeros(batch * length - 900, dtype=torch.long, device="meta")
+    targets = torch.zeros(batch * length - 900, dtype=torch.long, device="meta")
+    with HostReads() as reads:
+        loss, nll = model(src, tgt, output_positions=positions, targets=targets,
+                          label_smoothing=0.1)
+        loss.backward()
+    assert reads.seen == []
+    assert loss.shape == () and nll.shape == ()
+    assert model.tgt_embed.weight.grad.shape == (37000, config.d_model)
+
+
+def test_loss_scaling_changes_nothing_skips_a_step_with_inf_and_is_saved(data_files, tmp_path):
+    """fp16's loss scaler around our step, on the CPU (its arithmetic is the GPU's): scaled
+    gradients by a power of two give the unscaled run's parameters; an inf gradient skips
+    Adam's step and halves the scale; the scale is saved with the checkpoint and read back."""
+    data = ParallelData(data_files[0])
+    config = PRESETS["tiny"].model_config(len(data.src_vocab), dropout=0.0)
+    processes = distributed.Processes(0, 1, torch.device("cpu"))
+    micro_batches = MicroBatchStream(data, 600, seed=1).take(2)
+    tokens = sum(int(data.tgt_lengths[b].sum()) + len(b) for b in micro_batches)
+    share = process_share(data, micro_batches, 0, 1)
+
+    def step(model, optimizer, scaler):
+        training.forward_backward(model, share, 1 / tokens, 0.1, processes, "fp32", scaler,
+                                  seed=(1, 0))
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-3
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    runs = {}
+    for scaled in (False, True):
+        torch.manual_seed(3)
+        model = Transformer(config).train()
+        optimizer = training.adam(model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, enabled=scaled)
+        step(model, optimizer, scaler)
+        runs[scaled] = (model, optimizer, scaler)
+    for (name, plain), scaled in zip(runs[False][0].named_parameters(),
+                                     runs[True][0].parameters()):
+        torch.testing.assert_close(scaled, plain, rtol=1e-6, atol=1e-8, msg=name)
+
+    model, optimizer, scaler = runs[True]
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    training.forward_backward(model, share, 1 / tokens, 0.1, processes, "fp32", scaler,
+                              seed=(1, 1))
+    next(model.parameters()).grad.view(-1)[0] = math.inf
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.get_scale() == 2.0 ** 15
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter, before[name]), name
+
+    state = checkpoints.ResumeState(checkpoints.ResumePoint(step=2), options={}, adam={},
+                                    scaler=scaler.state_dict())
+    checkpoints.save_checkpoint(tmp_path, 2, model, optimizer, state, data.src_vocab, None,
+                                {"preset": "tiny"})
+    _, loaded = checkpoints.load_checkpoint(tmp_path, 2, "cpu")
+    again = torch.amp.GradScaler("cpu")
+    again.load_state_dict(loaded.scaler)
+    assert again.get_scale() == 2.0 ** 15

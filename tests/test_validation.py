@@ -142,11 +142,27 @@ def test_validation_f1_is_what_parse_and_score_give(word_parser, tmp_path):
     assert 50 < from_targets.score_texts(validator.hypotheses(model)) < 100
 
 
+def test_validation_shared_out_among_processes_decodes_what_one_process_does(trained,
+                                                                             data_files):
+    """With N processes each decodes every N-th batch of the validation set; the shares put
+    together are the one process's output, whatever N."""
+    model = load_model(trained[0]).model.eval()
+    validator = Validator.build("bleu", ParallelData(data_files[1]), batch_tokens=300)
+    whole = validator.search(model)
+    assert sorted(whole) == list(range(len(validator.sources)))
+    for world_size in (2, 3):
+        shares = [validator.search(model, rank, world_size) for rank in range(world_size)]
+        assert all(shares) and sum(map(len, shares)) == len(whole)
+        merged = {index: tokens for share in shares for index, tokens in share.items()}
+        assert merged == whole
+    assert validator.texts(whole) == validator.hypotheses(model)
+
+
 def test_a_failing_validation_does_not_end_the_run(data_files, tmp_path, monkeypatch):
-    def broken(self, model):
+    def broken(self, model, rank=0, world_size=1):
         raise RecursionError("maximum recursion depth exceeded")
 
-    monkeypatch.setattr(Validator, "score", broken)
+    monkeypatch.setattr(Validator, "search", broken)
     result = run_attn("train", data_files[0], "-o", tmp_path / "run", "--preset", "tiny",
                       "--max-steps", "4", "--save-every", "2", "--valid", data_files[1],
                       "--valid-metric", "bleu", "--device", "cpu")

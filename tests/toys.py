@@ -96,3 +96,29 @@ def save_random_model(path: Path, vocabulary, preset: str = "tiny", seed: int = 
     model = Transformer(PRESETS[preset].model_config(len(vocabulary)))
     save_model(path, model, vocabulary, **provenance)
     return path
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that, on a GPU, make the host wait for the device: a result whose size
+    depends on the data (nonzero, masked_select, indexing with a boolean mask: the host must
+    learn the size) and a value read back (`.item()`, `float(t)`, `if t:`). A CPU runs the same
+    ops, so their count here is the count there. (`.tolist()` of a CPU tensor dispatches no op:
+    it is not counted.)"""
+
+    WAITING = {"nonzero", "masked_select", "_local_scalar_dense", "is_nonzero", "item"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.WAITING or (name in ("index", "index_put", "index_put_") and any(
+                isinstance(index, torch.Tensor) and index.dtype == torch.bool
+                for index in _flat(args[1]))):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _flat(indices) -> list:
+    return [index for index in (indices if isinstance(indices, (list, tuple)) else [indices])]
