@@ -505,6 +505,9 @@ def stage_one_gpu(args, work: Path) -> dict:
         if time_left(args) < 120:
             found[name] = "skipped: out of time"
             continue
+        if name == "fp16" and args.device != "cuda":
+            found[name] = "skipped: fp16 needs CUDA"
+            continue
         variant_dir = work / f"variant-{name}"
         shutil.rmtree(variant_dir, ignore_errors=True)
         completed, report = run_attn(work, name, "train", *common, "-o", variant_dir, *options,

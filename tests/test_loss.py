@@ -61,7 +61,8 @@ def test_projected_loss_under_bf16_autocast_matches_the_autocast_logits():
     assert fused.item() == pytest.approx(reference.item(), rel=2e-3)
 
 
-def test_projected_loss_under_fp16_autocast_keeps_the_gradients_of_rare_tokens():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_projected_loss_under_fp16_autocast_keeps_the_gradients_of_rare_tokens(device):
     """fp16 (on a GPU, with loss scaling): the gradient w.r.t. the output matrix has a row per
     vocabulary piece, (p - q)ᵀ h; for the pieces a peaked softmax gives p < 1e-6, fp16 would
     round p to zero or to a few bits before the loss scale reaches it (in backward). They are
@@ -73,14 +74,15 @@ def test_projected_loss_under_fp16_autocast_keeps_the_gradients_of_rare_tokens()
     weight[:20] *= 60  # a few frequent pieces hold nearly all the mass: p < 1e-6 elsewhere
     hidden = torch.randn(rows, width, generator=generator)
     target = torch.randint(0, 20, (rows,), generator=generator)
-    leaf = weight.clone().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss, _ = projected_label_smoothed_loss(hidden, leaf, target, 0.0)
+    leaf = weight.clone().to(device).requires_grad_()
+    with torch.autocast(device, dtype=torch.float16):
+        loss, _ = projected_label_smoothed_loss(hidden.to(device), leaf, target.to(device), 0.0)
     loss.backward()
     logits = torch.nn.functional.linear(hidden.half(), weight.half()).double()
     p_minus_q = torch.softmax(logits, dim=-1) - torch.nn.functional.one_hot(target, vocab)
     expected = p_minus_q.T @ hidden.double()
     rare = torch.softmax(logits, dim=-1).max(dim=0).values < 1e-6  # no row gives them 1e-6
     assert rare.sum() > 1000 and (expected[rare] != 0).all()
-    error = (leaf.grad.double()[rare] - expected[rare]).norm(dim=1) / expected[rare].norm(dim=1)
+    found = leaf.grad.double().cpu()[rare]
+    error = (found - expected[rare]).norm(dim=1) / expected[rare].norm(dim=1)
     assert error.max() < 1e-4, float(error.max())

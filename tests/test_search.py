@@ -429,17 +429,19 @@ def test_a_search_step_waits_for_the_device_a_fixed_number_of_times(beam):
                                                                          reads.seen)
 
 
-def test_bf16_search_runs_past_the_sinusoid_table():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bf16_search_runs_past_the_sinusoid_table(device):
     """A model converted to bf16 (decode --dtype bf16) searching past its position table:
     the table grows in the model's dtype (float32 positions would meet bf16 weights)."""
     model = random_model(vocab=30, seed=3)
     model.config = dataclasses.replace(model.config, max_positions=8)
     model.sinusoids = model.sinusoids[:8].clone()
-    model = model.to(torch.bfloat16)
-    src = torch.tensor([[5, 9, 7, 3]])
+    model = model.to(device, torch.bfloat16)
+    src = torch.tensor([[5, 9, 7, 3]], device=device)
     found = beam_search(model, src, beam=2, max_len_a=0, max_len_b=20, stop="limit")
     assert found[0][0].score > -math.inf  # live hypotheses ran on to position 20
     assert model.sinusoids.dtype == torch.bfloat16 and model.sinusoids.shape[0] >= 20
-    torch.testing.assert_close(model.sinusoids[:20].float(),
+    assert model.sinusoids.device.type == device
+    torch.testing.assert_close(model.sinusoids[:20].float().cpu(),
                                sinusoidal_positions(20, model.config.d_model), atol=4e-3,
                                rtol=0)
