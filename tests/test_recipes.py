@@ -8,6 +8,7 @@ import hashlib
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -227,6 +228,7 @@ def stand_in_mirror(directory: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(shutil.which("curl") is None, reason="the recipes download with curl")
 def test_wmt_recipe_runs_end_to_end_from_a_mirror(tmp_path):
     """`make base` of the en-de recipe on a stand-in mirror (file://), through every target:
     the downloads checked against the mirror's SHA-256s and extracted, a vocabulary from a
