@@ -22,10 +22,11 @@ import torch
 
 from . import stfile
 from .errors import AttnError
-from .files import atomic_output, atomic_path
+from .files import atomic_output, atomic_path, read_metrics
 from .formats import (
     ADAM_MOMENTS,
     METRICS_FILE,
+    MODEL_FORMAT,
     STATE_FORMAT,
     STATE_FORMAT_VERSION,
     VALID_METRICS,
@@ -188,12 +189,7 @@ def metric_key(metric: str) -> str:
 def scored_steps(run_dir: str | Path, metric: str | None = None) -> tuple[str, dict[int, float]]:
     """(metric, {step: validation score}) from a run's metrics.jsonl: the metric asked for, or
     the one the run was validated by (its last validation row's `valid_metric`, else loss)."""
-    path = Path(run_dir) / METRICS_FILE
-    rows = []
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                rows.append(json.loads(line))
+    rows, _ = read_metrics(Path(run_dir) / METRICS_FILE)
     if metric is None:
         named = [row["valid_metric"] for row in rows if "valid_metric" in row]
         metric = named[-1] if named else "loss"
@@ -210,15 +206,27 @@ def best_steps(scores: dict[int, float], metric: str, count: int) -> list[int]:
     return ranked[:count]
 
 
-def truncate_metrics(run_dir: Path, step: int) -> None:
-    """Drop metrics rows after `step`: a resumed run redoes those steps."""
+def truncate_metrics(run_dir: Path, step: int) -> str | None:
+    """Drop metrics rows after `step` (a resumed run redoes those steps) and a torn last line;
+    returns what was torn, if anything."""
     path = run_dir / METRICS_FILE
     if not path.exists():
-        return
-    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
+        return None
+    rows, torn = read_metrics(path)
     with atomic_output(path, "w") as handle:
-        handle.writelines(line + "\n" for line in kept)
+        handle.writelines(json.dumps(row) + "\n" for row in rows if row.get("step", 0) <= step)
+    return torn
+
+
+def intact_checkpoint(run_dir: Path, step: int) -> str | None:
+    """Why checkpoint `step` cannot be resumed from (None: its model and state files both
+    read as what they claim to be, every tensor inside the file)."""
+    try:
+        stfile.read_attn_header(checkpoint_path(run_dir, step), MODEL_FORMAT, "model file")
+        stfile.read_attn_header(state_path(run_dir, step), STATE_FORMAT, "training state")
+    except AttnError as error:
+        return str(error)
+    return None
 
 
 # ------------------------------------------------------------------------------------ averaging
@@ -285,3 +293,41 @@ def write_average(output: Path, first: LoadedModel, mean: dict[str, torch.Tensor
     save_model(output, model, first.src_vocab, tgt_vocab,
                averaged_from=json.dumps(sources),
                preset=first.metadata.get("preset", ""))
+
+
+class RunLock:
+    """An advisory lock on a run directory (flock on its train.lock) while a training writes to
+    it: a second `attn train -o` on the same directory (a Makefile started twice: the recipes
+    pass --resume) would otherwise train beside the first, both writing checkpoints. The kernel
+    drops the lock when the process ends in any way, kill -9 included; the file itself stays
+    and names the last holder."""
+
+    FILE = "train.lock"
+
+    def __init__(self, run_dir: Path):
+        import fcntl
+        import socket
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.handle = open(run_dir / self.FILE, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.handle.seek(0)
+            holder = self.handle.read().strip() or "another process"
+            self.handle.close()
+            raise AttnError(f"{run_dir} is in use by another attn train ({holder}): let it "
+                            "finish, or stop it (Ctrl-C or SIGTERM saves a checkpoint) and "
+                            "--resume; or choose another -o") from None
+        except OSError as error:  # a file system without locks (some NFS mounts)
+            import sys
+
+            print(f"train: warning: cannot lock {run_dir} ({error.strerror}): a second "
+                  "training on it would not be refused", file=sys.stderr, flush=True)
+        self.handle.seek(0)
+        self.handle.truncate()
+        self.handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        self.handle.flush()
+
+    def release(self) -> None:
+        self.handle.close()  # closing the file releases the lock

@@ -8,6 +8,7 @@ half-written (temp file in the same directory + fsync + os.replace).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -164,3 +165,27 @@ def atomic_output(path: str | os.PathLike, mode: str = "wb") -> Iterator:
     with atomic_path(path) as temp, open(temp, mode, encoding=encoding) as handle:
         yield handle
 
+
+def read_metrics(path: str | os.PathLike) -> tuple[list[dict], str | None]:
+    """The rows of a run's metrics.jsonl (none if it has none yet), and what was wrong with its
+    last line, if it was torn: a run killed in the middle of an append leaves half a row, which
+    is dropped (the resumed run writes it again). Any other unreadable line is one error."""
+    path = Path(path)
+    if not path.exists():
+        return [], None
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    rows, torn = [], None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as error:
+            if number == len(lines):
+                torn = f"{path}: its last line ({number}) is torn and was left out: {line[:40]!r}"
+                break
+            raise AttnError(f"{path}:{number}: not a metrics row ({error})") from None
+        rows.append(row)
+    return rows, torn

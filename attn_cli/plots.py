@@ -6,12 +6,12 @@ Figures are written atomically, in the format the output's suffix names (png, pd
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from .errors import AttnError
 from .files import atomic_path
+from .files import read_metrics as read_metrics_rows
 from .formats import METRICS_FILE
 
 X_AXES = ("step", "time", "both")
@@ -39,13 +39,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise AttnError(f"{run_dir} has no {METRICS_FILE}: not an attn run directory")
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise AttnError(f"{path}:{number}: not a JSON object") from None
+    rows, _ = read_metrics_rows(path)  # a torn last line (a run killed mid-append) left out
     if not rows:
         raise AttnError(f"{path} is empty: nothing to plot yet")
     return rows

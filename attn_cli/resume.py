@@ -36,13 +36,28 @@ def resume_step(options: TrainOptions, processes: Processes) -> int | None:
                                  f"{existing[-1][0]}); add --resume to continue that run, or "
                                  "choose another -o")
         elif existing:
-            decision["step"] = existing[-1][0]
+            decision.update(newest_intact(run_dir, [step for step, _ in existing], processes))
         elif options.resume:
             processes.log(f"nothing to resume in {run_dir}: starting a new run")
     decision = from_main(decision, processes)
     if "error" in decision:
         raise AttnError(decision["error"])
     return decision.get("step")
+
+
+def newest_intact(run_dir: Path, steps: list[int], processes: Processes) -> dict:
+    """{"step": the newest checkpoint whose model and state files are whole}, each newer one
+    skipped named with why (a disk or copy fault, a kill in the middle of a copy), or {"error"}
+    when none is."""
+    skipped = []
+    for step in reversed(steps):
+        problem = checkpoints.intact_checkpoint(run_dir, step)
+        if problem is None:
+            for earlier in skipped:
+                processes.log(f"resume: skipped {earlier}")
+            return {"step": step}
+        skipped.append(f"checkpoint-{step}: {problem}")
+    return {"error": f"no checkpoint in {run_dir} can be resumed from: " + "; ".join(skipped)}
 
 
 def load(options: TrainOptions, processes: Processes, config: ModelConfig, data: ParallelData,

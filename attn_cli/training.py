@@ -41,6 +41,7 @@ from .distributed import (
     Processes,
     all_reduce_sum,
     collective_failed,
+    from_main,
     gather_to_main,
     gradient_sync_dtype,
     same_on_every_rank,
@@ -57,7 +58,9 @@ def train(options: TrainOptions, display: Display | None = None) -> Path | None:
     """Run (or resume) training; returns the last checkpoint written (None on other ranks).
     `display` shows progress and metrics rows on the main process."""
     processes = start_processes(options.device, options.dist_timeout_minutes)
+    lock = None
     try:
+        lock = _lock_run_directory(Path(options.output), processes)
         return _train(options, processes,
                       display if display is not None and processes.is_main else _Quiet())
     except RuntimeError as error:
@@ -69,7 +72,24 @@ def train(options: TrainOptions, display: Display | None = None) -> Path | None:
                         f"--dist-timeout {options.dist_timeout_minutes:g} min: it must exceed "
                         "a validation and a save)") from None
     finally:
+        if lock is not None:
+            lock.release()
         stop_processes(processes)
+
+
+def _lock_run_directory(run_dir: Path, processes: Processes) -> checkpoints.RunLock | None:
+    """The main process locks the run directory (checkpoints.RunLock); where another training
+    holds it, every process stops with the main one's error line."""
+    lock, refused = None, None
+    if processes.is_main:
+        try:
+            lock = checkpoints.RunLock(run_dir)
+        except AttnError as error:
+            refused = str(error)
+    refused = from_main(refused, processes)
+    if refused:
+        raise AttnError(refused)
+    return lock
 
 
 def _train(options: TrainOptions, processes: Processes, display: Display) -> Path | None:
@@ -208,7 +228,9 @@ def _start(options: TrainOptions, processes: Processes,
     if processes.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
-            checkpoints.truncate_metrics(run_dir, point.step)
+            torn = checkpoints.truncate_metrics(run_dir, point.step)
+            if torn:
+                processes.log(f"resume: {torn}")
         processes.log(f"{preset.name}: {sum(p.numel() for p in model.parameters()):,} "
                       f"parameters, {len(prepared.data)} training pairs, {dtype} on "
                       f"{processes.device}")

@@ -80,7 +80,8 @@ def test_train_writes_checkpoints_metrics_and_decodable_models(data_files, tmp_p
     assert len(shown) == 6 and "valid_ppl" in shown[2]  # a row per step, validation at saves
     assert [step for step, _ in list_checkpoints(run_dir)] == [6]  # --keep 1
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        "checkpoint-6.st", "checkpoint-6.state.st", "metrics.jsonl"]
+        "checkpoint-6.st", "checkpoint-6.state.st", "metrics.jsonl", "train.lock"]
+    assert (run_dir / "train.lock").read_text().startswith("pid ")  # the last holder
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
     for row in rows:

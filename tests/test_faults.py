@@ -1,0 +1,130 @@
+"""Faults a long run meets, done for real (issue 27): a log torn by a kill in the middle of an
+append, a checkpoint cut short. Each is one line to the user, nothing is lost, and `--resume`
+goes on to the weights an unfaulted run reaches."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from attn_cli.checkpoints import list_checkpoints, state_path
+from attn_cli.formats import METRICS_FILE
+
+from .conftest import assert_clean_error, assert_same_weights, final_weights, run_attn, train_args
+
+COMMON = ["--max-steps", 4, "--save-every", 2, "--seed", 3]
+
+
+@pytest.fixture(scope="module")
+def unfaulted(data_files, tmp_path_factory):
+    """The run every faulted run must end as: 6 steps, checkpoints every 2."""
+    run_dir = tmp_path_factory.mktemp("unfaulted") / "run"
+    result = run_attn(*train_args(data_files[0], run_dir, "--max-steps", 6, "--save-every", 2,
+                                  "--seed", 3))
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+def four_steps(data_files, run_dir):
+    result = run_attn(*train_args(data_files[0], run_dir, *COMMON))
+    assert result.returncode == 0, result.stderr
+    assert [step for step, _ in list_checkpoints(run_dir)] == [2, 4]
+
+
+def resume_to_six(data_files, run_dir):
+    return run_attn(*train_args(data_files[0], run_dir, "--max-steps", 6, "--save-every", 2,
+                                "--seed", 3, "--resume"))
+
+
+def metrics_steps(run_dir) -> list[int]:
+    lines = (run_dir / METRICS_FILE).read_text(encoding="utf-8").splitlines()
+    return [json.loads(line)["step"] for line in lines]  # every line whole again
+
+
+def test_a_torn_last_metrics_line_is_dropped_and_the_run_goes_on(data_files, unfaulted,
+                                                                 tmp_path):
+    """kill -9 in the middle of an append leaves half a row: the resumed run says so, leaves
+    it out and writes the row again."""
+    run_dir = tmp_path / "run"
+    four_steps(data_files, run_dir)
+    with open(run_dir / METRICS_FILE, "a", encoding="utf-8") as log:
+        log.write('{"step": 5, "loss": 1.')
+    plotted = run_attn("plot", run_dir, "-o", tmp_path / "curves.png")  # reads it as it is
+    assert plotted.returncode == 0, plotted.stderr
+    resumed = resume_to_six(data_files, run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "its last line (5) is torn and was left out" in resumed.stderr
+    assert metrics_steps(run_dir) == [1, 2, 3, 4, 5, 6]
+    assert_same_weights(final_weights(unfaulted), final_weights(run_dir))
+
+
+def test_a_torn_line_inside_the_log_is_one_error_line(data_files, tmp_path):
+    run_dir = tmp_path / "run"
+    four_steps(data_files, run_dir)
+    lines = (run_dir / METRICS_FILE).read_text(encoding="utf-8").splitlines()
+    lines[1] = lines[1][:10]
+    (run_dir / METRICS_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert_clean_error(resume_to_six(data_files, run_dir), f"{run_dir / METRICS_FILE}:2",
+                       "not a metrics row")
+
+
+@pytest.mark.parametrize("cut", ["state", "model"])
+def test_resume_skips_a_cut_checkpoint_for_the_newest_whole_one(data_files, unfaulted,
+                                                                tmp_path, cut):
+    """The newest checkpoint's state or model file cut to 3,000 bytes (a disk or copy fault):
+    the resumed run names it and why, goes back to the checkpoint before, and ends where the
+    unfaulted run ends."""
+    run_dir = tmp_path / "run"
+    four_steps(data_files, run_dir)
+    path = state_path(run_dir, 4) if cut == "state" else run_dir / "checkpoint-4.st"
+    path.write_bytes(path.read_bytes()[:3000])
+    resumed = resume_to_six(data_files, run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resume: skipped checkpoint-4: {'training state' if cut == 'state' else 'model file'}"\
+        f" {path} is" in resumed.stderr
+    assert f"resuming {run_dir} from step 2" in resumed.stderr
+    assert metrics_steps(run_dir) == [1, 2, 3, 4, 5, 6]
+    assert_same_weights(final_weights(unfaulted), final_weights(run_dir))
+
+
+def test_no_whole_checkpoint_is_one_error_line_naming_each(data_files, tmp_path):
+    run_dir = tmp_path / "run"
+    four_steps(data_files, run_dir)
+    for step in (2, 4):
+        state = state_path(run_dir, step)
+        state.write_bytes(state.read_bytes()[:3000])
+    result = resume_to_six(data_files, run_dir)
+    assert_clean_error(result, f"no checkpoint in {run_dir} can be resumed from",
+                       "checkpoint-4: training state", "checkpoint-2: training state")
+
+
+@pytest.mark.slow
+def test_a_second_training_in_a_run_directory_in_use_is_refused(data_files, tmp_path):
+    """A Makefile started twice: the second `attn train --resume -o SAME` while the first
+    trains fails at once with one line naming the holder; once the first has ended (killed
+    with -9 included: the kernel drops the lock), the directory is free again."""
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "attn_cli",
+                              *map(str, train_args(data_files[0], run_dir, "--max-steps",
+                                                   100000, "--save-every", 5))],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "checkpoint-5.st").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = run_attn(*train_args(data_files[0], run_dir, "--max-steps", 10, "--resume"))
+        assert_clean_error(second, f"{run_dir} is in use by another attn train (pid "
+                           f"{first.pid} on {socket.gethostname()})")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    steps = [step for step, _ in list_checkpoints(run_dir)]
+    again = run_attn(*train_args(data_files[0], run_dir, "--max-steps", steps[-1] + 1,
+                                 "--resume"))
+    assert again.returncode == 0, again.stderr
