@@ -163,13 +163,17 @@ def load_checkpoint(run_dir: Path, step: int, device) -> tuple[LoadedModel, Resu
     return loaded, ResumeState(point, options, adam, scaler)
 
 
-def prune_checkpoints(run_dir: Path, keep: int, best: set[int] = frozenset()) -> None:
-    """Keep the newest `keep` checkpoints (model and state files), and the model files of the
-    steps `best` (`--keep-best`: a run resumes from its newest checkpoints only)."""
+def prune_checkpoints(run_dir: Path, keep: int, best: set[int] = frozenset(),
+                      keep_state: int | None = None) -> None:
+    """Keep the model files of the newest `keep` checkpoints and of the steps `best`
+    (`--keep-best`), and the training states of the newest `keep_state` (None: as many as
+    `keep`): a run resumes from its newest checkpoint, and a state is twice a model's size."""
     complete = list_checkpoints(run_dir)
+    keep_state = keep if keep_state is None else min(keep_state, keep)
     for step, path in complete[:max(0, len(complete) - keep)]:
         if step not in best:
             path.unlink(missing_ok=True)
+    for step, _ in complete[:max(0, len(complete) - keep_state)]:
         state_path(run_dir, step).unlink(missing_ok=True)
 
 

@@ -245,6 +245,10 @@ def train(
                                              "(5000). Default: the preset's."),
     keep: int = typer.Option(TRAIN_DEFAULTS["keep"], "--keep", min=1,
                              help="Checkpoints kept (the newest)."),
+    keep_state: int = typer.Option(TRAIN_DEFAULTS["keep_state"], "--keep-state", min=1,
+                                   help="Training states (Adam's moments: twice a model's "
+                                   "size) kept: the newest N checkpoints'. A run resumes from "
+                                   "its newest whole one."),
     keep_best: int = typer.Option(TRAIN_DEFAULTS["keep_best"], "--keep-best", min=0,
                                   help="Also keep the N best checkpoints by --valid-metric "
                                   "(`attn average --best N`)."),

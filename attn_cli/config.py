@@ -229,6 +229,7 @@ class TrainOptions:
     save_every: str | None = _option(None, on_resume=FREE)
     keep: int = _option(20, on_resume=FREE)
     keep_best: int = _option(0, on_resume=FREE)  # also kept: this many best by valid_metric
+    keep_state: int = _option(1, on_resume=FREE)  # training states kept: the newest N
     seed: int = _option(1)
     device: str = _option("auto", on_resume=FREE)
     dtype: str = _option("auto", on_resume=FREE)

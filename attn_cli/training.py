@@ -491,7 +491,7 @@ def _save(run_dir: Path, step: int, run: _Run, elapsed: float) -> Path | None:
         saved = {step for step, _ in checkpoints.list_checkpoints(run_dir)}
         best = set(checkpoints.best_steps({step: score for step, score in scores.items()
                                            if step in saved}, metric, run.options.keep_best))
-    checkpoints.prune_checkpoints(run_dir, run.options.keep, best)
+    checkpoints.prune_checkpoints(run_dir, run.options.keep, best, run.options.keep_state)
     return path
 
 

@@ -52,6 +52,9 @@ def test_pruning_keeps_the_newest_checkpoints_whole_and_the_best_models(tmp_path
     assert sorted(path.name for path in tmp_path.iterdir()) == [
         "checkpoint-2.st", "checkpoint-6.st", "checkpoint-6.state.st", "checkpoint-8.st",
         "checkpoint-8.state.st"]  # a best model stays, without its state: no run resumes there
+    prune_checkpoints(tmp_path, keep=2, best={2}, keep_state=1)  # attn train's default
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "checkpoint-2.st", "checkpoint-6.st", "checkpoint-8.st", "checkpoint-8.state.st"]
 
 
 def test_a_resumed_run_drops_the_metrics_rows_after_its_checkpoint(tmp_path):

@@ -18,7 +18,9 @@ from attn_cli.formats import METRICS_FILE
 
 from .conftest import assert_clean_error, assert_same_weights, final_weights, run_attn, train_args
 
-COMMON = ["--max-steps", 4, "--save-every", 2, "--seed", 3]
+# Two training states kept (the default is the newest only), so that a resume has one to go
+# back to.
+COMMON = ["--max-steps", 4, "--save-every", 2, "--seed", 3, "--keep-state", 2]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def four_steps(data_files, run_dir):
 
 def resume_to_six(data_files, run_dir):
     return run_attn(*train_args(data_files[0], run_dir, "--max-steps", 6, "--save-every", 2,
-                                "--seed", 3, "--resume"))
+                                "--seed", 3, "--keep-state", 2, "--resume"))
 
 
 def metrics_steps(run_dir) -> list[int]:
@@ -128,3 +130,14 @@ def test_a_second_training_in_a_run_directory_in_use_is_refused(data_files, tmp_
     again = run_attn(*train_args(data_files[0], run_dir, "--max-steps", steps[-1] + 1,
                                  "--resume"))
     assert again.returncode == 0, again.stderr
+
+
+def test_a_run_keeps_the_training_state_of_its_newest_checkpoint_only(unfaulted, data_files,
+                                                                      tmp_path):
+    """A state holds Adam's moments (twice a model's size): a run directory costs one, not
+    `--keep` of them, unless `--keep-state N`."""
+    assert [step for step, _ in list_checkpoints(unfaulted)] == [2, 4, 6]
+    assert [step for step, _ in list_checkpoints(unfaulted, need_state=True)] == [6]
+    run_dir = tmp_path / "run"
+    four_steps(data_files, run_dir)
+    assert [step for step, _ in list_checkpoints(run_dir, need_state=True)] == [2, 4]
