@@ -745,6 +745,9 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:
         _quiet_broken_pipe()
     except Exception as error:
+        if type(error).__name__ == "OutOfMemoryError":  # torch's, on a GPU
+            log(f"error: {_out_of_memory(error, argv if argv is not None else sys.argv[1:])}")
+            sys.exit(2)
         if type(error).__name__ == "Abort":  # Ctrl-C inside a prompt (click or typer's own)
             log("interrupted")
             sys.exit(130)
@@ -759,6 +762,18 @@ def main(argv: list[str] | None = None) -> None:
         log(f"error: {error.format_message()}{hint}")
         sys.exit(2)
     sys.exit(status if isinstance(status, int) else 0)
+
+
+def _out_of_memory(error: BaseException, argv: list) -> str:
+    """What ran out on the GPU, and the option that makes the work fit."""
+    said = " ".join(str(error).split("\n")[0].split())[:200]
+    command = next((str(word) for word in argv if str(word) in (
+        "train", "decode", "parse", "score")), "")
+    remedy = {"train": "lower --max-tokens (tokens per forward pass; gradient accumulation "
+                       "keeps the batch --batch-tokens)",
+              "score": "lower --batch-tokens (tokens per batch of -m)"}.get(
+        command, "lower --batch-tokens (source tokens × beam per search batch)")
+    return f"out of GPU memory ({said}): {remedy}"
 
 
 def _quiet_broken_pipe() -> None:

@@ -10,8 +10,10 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from attn_cli.checkpoints import list_checkpoints, state_path
 from attn_cli.formats import METRICS_FILE
@@ -20,6 +22,7 @@ from .conftest import assert_clean_error, assert_same_weights, final_weights, ru
 
 # Two training states kept (the default is the newest only), so that a resume has one to go
 # back to.
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 COMMON = ["--max-steps", 4, "--save-every", 2, "--seed", 3, "--keep-state", 2]
 
 
@@ -141,3 +144,28 @@ def test_a_run_keeps_the_training_state_of_its_newest_checkpoint_only(unfaulted,
     run_dir = tmp_path / "run"
     four_steps(data_files, run_dir)
     assert [step for step, _ in list_checkpoints(run_dir, need_state=True)] == [2, 4]
+
+
+@pytest.mark.parametrize("command,remedy", [("train", "lower --max-tokens"),
+                                            ("decode", "lower --batch-tokens (source tokens"),
+                                            ("score", "lower --batch-tokens (tokens per batch")])
+def test_out_of_gpu_memory_is_one_line_naming_the_option_that_fits(command, remedy, data_files,
+                                                                   tmp_path, monkeypatch):
+    """torch's CUDA out-of-memory error (raised here from the model, as a smaller GPU would):
+    one line saying what ran out and which option makes the work fit, exit 2."""
+    from attn_cli.model import Transformer
+
+    def out_of_memory(self, *args, **kwargs):
+        raise torch.cuda.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+            "15.77 GiB of which 1.10 GiB is free.\nOf the allocated memory ...")
+
+    model = FIXTURES / "run" / "checkpoint-600.st"
+    (tmp_path / "src").write_text("a b\n", encoding="utf-8")
+    argv = {"train": train_args(data_files[0], tmp_path / "run", "--max-steps", 2),
+            "decode": ["decode", "-m", model],
+            "score": ["score", "-m", model, tmp_path / "src", tmp_path / "src"]}[command]
+    monkeypatch.setattr(Transformer, "encode", out_of_memory)
+    assert_clean_error(run_attn(*argv, stdin="a b\n"), "out of GPU memory (CUDA out of memory. "
+                       "Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.77 GiB",
+                       remedy)
