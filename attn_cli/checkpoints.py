@@ -22,7 +22,7 @@ import torch
 
 from . import stfile
 from .errors import AttnError
-from .files import atomic_output, atomic_path, read_metrics
+from .files import atomic_output, atomic_path, read_metrics, write_failure
 from .formats import (
     ADAM_MOMENTS,
     METRICS_FILE,
@@ -104,7 +104,11 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module,
     with atomic_path(state_path(run_dir, step)) as temp:
         save_file(tensors, str(temp), metadata=metadata)
     path = checkpoint_path(run_dir, step)
-    save_model(path, model, src_vocab, tgt_vocab, step=str(step), **provenance)
+    try:
+        save_model(path, model, src_vocab, tgt_vocab, step=str(step), **provenance)
+    except AttnError:  # a state without its model is no checkpoint: not left behind
+        state_path(run_dir, step).unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -179,9 +183,13 @@ def prune_checkpoints(run_dir: Path, keep: int, best: set[int] = frozenset(),
 
 def append_metrics(run_dir: Path, row: dict) -> None:
     """One row at the end of the run's metrics.jsonl, flushed."""
-    with open(run_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(row) + "\n")
-        handle.flush()
+    try:
+        with open(run_dir / METRICS_FILE, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row) + "\n")
+            handle.flush()
+    except OSError as error:
+        raise AttnError(f"cannot write {run_dir / METRICS_FILE}: {write_failure(error)}") \
+            from None
 
 
 def metric_key(metric: str) -> str:

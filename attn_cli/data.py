@@ -27,6 +27,7 @@ from .files import (
     display_name,
     open_binary,
     take_lines,
+    write_failure,
 )
 from .formats import (
     BOS_ID,
@@ -123,41 +124,44 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     paths = {"src": src_path, "tgt": tgt_path}
-    with tempfile.TemporaryDirectory(prefix=".binarize.", dir=out_path.parent) as scratch, \
-            open_binary(src_path) as src_handle, open_binary(tgt_path) as tgt_handle:
-        writers = {side: _SideWriter(scratch, side) for side in SIDES}
-        while True:
-            raw = {"src": take_lines(src_handle, chunk_lines),
-                   "tgt": take_lines(tgt_handle, chunk_lines)}
-            if len(raw["src"]) != len(raw["tgt"]):
-                raise _mismatch(src_path, tgt_path, src_handle, tgt_handle,
-                                stats.lines + len(raw["src"]), stats.lines + len(raw["tgt"]))
-            if not raw["src"]:
-                break
-            encoded = {side: _encode_side(raw[side], paths[side], stats.lines + 1,
-                                          vocabularies[side], threads, policy)
-                       for side in SIDES}
-            del raw  # keep one chunk alive at a time: memory stays flat however long the corpus
-            _append_kept(encoded, writers, max_len, stats)
-            del encoded
-            stats.pairs = writers["src"].count
-            stats.src_tokens, stats.tgt_tokens = writers["src"].total, writers["tgt"].total
-            if progress:
-                progress(stats)
-        if stats.lines == 0:
-            raise AttnError(f"{display_name(src_path)} and {display_name(tgt_path)} are empty")
-        if stats.pairs == 0:
-            raise AttnError(f"no pair left after dropping {stats.dropped_empty} with an empty "
-                            f"side and {stats.dropped_too_long} over {max_len} tokens")
-        tensors = writers["src"].close() + writers["tgt"].close()
-        tensors += [stfile.TensorSource(vocab_tensor(side), np.dtype(np.uint8),
-                                        (len(vocabulary.model_bytes),),
-                                        data=vocabulary.model_bytes)
-                    for side, vocabulary in (("src", src_vocab), ("tgt", tgt_vocab))
-                    if vocabulary is not None]
-        stfile.write_streaming(out_path, tensors, _data_metadata(
-            stats, src_vocab, tgt_vocab, max_len, src_path, tgt_path))
-    stats.seconds = time.perf_counter() - started
+    try:
+        with tempfile.TemporaryDirectory(prefix=".binarize.", dir=out_path.parent) as scratch, \
+                open_binary(src_path) as src_handle, open_binary(tgt_path) as tgt_handle:
+            writers = {side: _SideWriter(scratch, side) for side in SIDES}
+            while True:
+                raw = {"src": take_lines(src_handle, chunk_lines),
+                       "tgt": take_lines(tgt_handle, chunk_lines)}
+                if len(raw["src"]) != len(raw["tgt"]):
+                    raise _mismatch(src_path, tgt_path, src_handle, tgt_handle,
+                                    stats.lines + len(raw["src"]), stats.lines + len(raw["tgt"]))
+                if not raw["src"]:
+                    break
+                encoded = {side: _encode_side(raw[side], paths[side], stats.lines + 1,
+                                              vocabularies[side], threads, policy)
+                           for side in SIDES}
+                del raw  # keep one chunk alive at a time: memory stays flat however long the corpus
+                _append_kept(encoded, writers, max_len, stats)
+                del encoded
+                stats.pairs = writers["src"].count
+                stats.src_tokens, stats.tgt_tokens = writers["src"].total, writers["tgt"].total
+                if progress:
+                    progress(stats)
+            if stats.lines == 0:
+                raise AttnError(f"{display_name(src_path)} and {display_name(tgt_path)} are empty")
+            if stats.pairs == 0:
+                raise AttnError(f"no pair left after dropping {stats.dropped_empty} with an empty "
+                                f"side and {stats.dropped_too_long} over {max_len} tokens")
+            tensors = writers["src"].close() + writers["tgt"].close()
+            tensors += [stfile.TensorSource(vocab_tensor(side), np.dtype(np.uint8),
+                                            (len(vocabulary.model_bytes),),
+                                            data=vocabulary.model_bytes)
+                        for side, vocabulary in (("src", src_vocab), ("tgt", tgt_vocab))
+                        if vocabulary is not None]
+            stfile.write_streaming(out_path, tensors, _data_metadata(
+                stats, src_vocab, tgt_vocab, max_len, src_path, tgt_path))
+        stats.seconds = time.perf_counter() - started
+    except OSError as error:  # a full disk, a quota, a read-only file system
+        raise AttnError(f"cannot write {out_path}: {write_failure(error)}") from None
     return stats
 
 

@@ -142,9 +142,12 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path beside `path` to write to; renamed to `path` when the block ends cleanly,
     removed otherwise, so readers see the old file or the whole new one, never a part."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
-                                             dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
+                                                 dir=target.parent)
+    except OSError as error:
+        raise AttnError(f"cannot write {target}: {write_failure(error)}") from None
     os.close(descriptor)
     try:
         yield Path(temp_name)
@@ -152,10 +155,29 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with open(temp_name, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(temp_name, target)
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp_name)
+        reason = write_failure(error)
+        if reason is not None:  # a full disk, a quota, a read-only or failing file system
+            raise AttnError(f"cannot write {target}: {reason}") from None
         raise
+
+
+def write_failure(error: BaseException) -> str | None:
+    """The operating system's reason a write failed (None: not a failed write). safetensors
+    reports one as its own error, with the OS error code in its text."""
+    if isinstance(error, OSError):
+        if error.strerror:
+            return error.strerror
+        return f"a short write ({error}): the disk may be full"  # numpy's tofile
+    if type(error).__name__ == "SafetensorError":
+        import re
+
+        code = re.search(r"os error (\d+)|code: (\d+)", str(error))
+        if code:
+            return os.strerror(int(code.group(1) or code.group(2)))
+    return None
 
 
 @contextlib.contextmanager

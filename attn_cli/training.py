@@ -482,9 +482,14 @@ def _save(run_dir: Path, step: int, run: _Run, elapsed: float) -> Path | None:
                                     scaler=run.scaler.state_dict() if run.scaler.is_enabled()
                                     else {})
     tgt_vocab = None if run.data.shared_vocab else run.data.tgt_vocab
-    path = checkpoints.save_checkpoint(run_dir, step, run.model, run.optimizer, state,
-                                       run.data.src_vocab, tgt_vocab,
-                                       {"preset": run.options.preset})
+    try:
+        path = checkpoints.save_checkpoint(run_dir, step, run.model, run.optimizer, state,
+                                           run.data.src_vocab, tgt_vocab,
+                                           {"preset": run.options.preset})
+    except AttnError as error:  # a full disk: say what the run can go on from
+        good = checkpoints.list_checkpoints(run_dir, need_state=True)
+        raise AttnError(f"{error}; the last checkpoint safe to resume from is {good[-1][1]}"
+                        if good else f"{error}; no checkpoint was written yet") from None
     best = set()
     if run.options.keep_best and run.valid is not None:
         metric, scores = checkpoints.scored_steps(run_dir, run.options.valid_metric)

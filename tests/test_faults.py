@@ -169,3 +169,88 @@ def test_out_of_gpu_memory_is_one_line_naming_the_option_that_fits(command, reme
     assert_clean_error(run_attn(*argv, stdin="a b\n"), "out of GPU memory (CUDA out of memory. "
                        "Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.77 GiB",
                        remedy)
+
+
+def with_file_size_limit(limit: int):
+    """preexec_fn: files of this process may not grow past `limit` bytes (a full disk, as a
+    write sees it: EFBIG instead of ENOSPC, with SIGXFSZ ignored so that the write fails)."""
+    import resource
+
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def attn_limited(limit: int, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "attn_cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=120,
+                          preexec_fn=with_file_size_limit(limit))
+
+
+def assert_one_error_line(result, *fragments):
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_saving_is_one_line_naming_what_is_safe(data_files, unfaulted,
+                                                                  tmp_path):
+    """The disk fills while a checkpoint is written: one line naming the file, the OS's reason
+    and the checkpoint that is safe to resume from; no temporary file left, the earlier
+    checkpoint intact, and once there is room `--resume` ends as the unfaulted run."""
+    run_dir = tmp_path / "run"
+    first = run_attn(*train_args(data_files[0], run_dir, "--max-steps", 2, "--save-every", 2,
+                                 "--seed", 3))
+    assert first.returncode == 0, first.stderr
+    before = {path.name: path.read_bytes() for path in run_dir.iterdir()}
+    full = attn_limited(200_000, *train_args(data_files[0], run_dir, "--max-steps", 6,
+                                             "--save-every", 2, "--seed", 3, "--resume"))
+    assert_one_error_line(full, f"cannot write {run_dir}/checkpoint-4.state.st: File too large",
+                          f"the last checkpoint safe to resume from is {run_dir}/checkpoint-2.st")
+    assert not [path for path in run_dir.iterdir() if path.name.endswith(".tmp")]
+    for name, content in before.items():
+        if name.startswith("checkpoint-"):
+            assert (run_dir / name).read_bytes() == content, name
+    resumed = run_attn(*train_args(data_files[0], run_dir, "--max-steps", 6, "--save-every", 2,
+                                   "--seed", 3, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_weights(final_weights(unfaulted), final_weights(run_dir))
+
+    # Other writers: the same line, and nothing half-written left behind.
+    averaged = attn_limited(200_000, "average", unfaulted, "--last", 2, "-o",
+                            tmp_path / "model.st")
+    assert_one_error_line(averaged, f"cannot write {tmp_path}/model.st: File too large")
+    assert sorted(path.name for path in tmp_path.iterdir() if path.is_file()) == []
+
+
+@pytest.mark.slow
+def test_every_writer_on_a_full_disk_is_one_line_and_leaves_nothing(corpus, spm_model,
+                                                                   tmp_path):
+    """binarize, vocab, export and decode --attention with files limited to 20 kB: one line
+    naming the output and the reason, exit 2, no temporary file or directory left."""
+    model = FIXTURES / "run" / "checkpoint-600.st"
+    out = tmp_path / "out"
+    out.mkdir()
+    runs = {
+        "binarize": ("binarize", "--vocab", spm_model, corpus["train.en"], corpus["train.de"],
+                     "-o", out / "data.st"),
+        "vocab": ("vocab", corpus["train.en"], corpus["train.de"], "-o", out / "v.model",
+                  "--size", 300),
+        "decode --attention": ("decode", "-m", model, "--attention", out / "maps.st"),
+    }
+    try:
+        import ctranslate2  # noqa: F401
+
+        runs["export"] = ("export", "ct2", model, "-o", out / "ct2")
+    except ImportError:
+        pass
+    for name, argv in runs.items():
+        result = subprocess.run([sys.executable, "-m", "attn_cli", *map(str, argv)],
+                                input="A man rides a bike .\n" * 40, capture_output=True,
+                                text=True, timeout=120, preexec_fn=with_file_size_limit(20_000))
+        assert_one_error_line(result, f"cannot write {out}/")
+        assert list(out.iterdir()) == [], (name, list(out.iterdir()))
