@@ -765,15 +765,30 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _out_of_memory(error: BaseException, argv: list) -> str:
-    """What ran out on the GPU, and the option that makes the work fit."""
+    """What ran out on the GPU (torch's first line: what was asked, what the device has), the
+    batch that asked for it, and the option that makes the work fit."""
     said = " ".join(str(error).split("\n")[0].split())[:200]
-    command = next((str(word) for word in argv if str(word) in (
-        "train", "decode", "parse", "score")), "")
-    remedy = {"train": "lower --max-tokens (tokens per forward pass; gradient accumulation "
-                       "keeps the batch --batch-tokens)",
-              "score": "lower --batch-tokens (tokens per batch of -m)"}.get(
-        command, "lower --batch-tokens (source tokens × beam per search batch)")
-    return f"out of GPU memory ({said}): {remedy}"
+    words = [str(word) for word in argv]
+    command = next((word for word in words if word in ("train", "decode", "parse", "score")),
+                   "")
+
+    def given(option: str) -> str | None:
+        return words[words.index(option) + 1] if option in words[:-1] else None
+
+    if command == "train":
+        tokens = given("--max-tokens")
+        batch = (f"forward passes of up to {tokens} tokens" if tokens else
+                 "one forward pass per step of the whole --batch-tokens (no --max-tokens)")
+        remedy = ("lower --max-tokens (gradient accumulation keeps the batch --batch-tokens)"
+                  if tokens else "add --max-tokens 4096 (gradient accumulation keeps the batch)")
+    elif command == "score":
+        batch = f"batches of {given('--batch-tokens') or BATCH_TOKENS} tokens"
+        remedy = "lower --batch-tokens"
+    else:
+        batch = (f"search batches of {given('--batch-tokens') or GPU_BATCH_TOKENS} "
+                 "source tokens × beam")
+        remedy = "lower --batch-tokens"
+    return f"out of GPU memory with {batch} ({said}): {remedy}"
 
 
 def _quiet_broken_pipe() -> None:

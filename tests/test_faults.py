@@ -146,9 +146,10 @@ def test_a_run_keeps_the_training_state_of_its_newest_checkpoint_only(unfaulted,
     assert [step for step, _ in list_checkpoints(run_dir, need_state=True)] == [2, 4]
 
 
-@pytest.mark.parametrize("command,remedy", [("train", "lower --max-tokens"),
-                                            ("decode", "lower --batch-tokens (source tokens"),
-                                            ("score", "lower --batch-tokens (tokens per batch")])
+@pytest.mark.parametrize("command,remedy", [
+    ("train", "out of GPU memory with forward passes of up to 600 tokens"),
+    ("decode", "out of GPU memory with search batches of 64000 source tokens × beam"),
+    ("score", "out of GPU memory with batches of 8000 tokens")])
 def test_out_of_gpu_memory_is_one_line_naming_the_option_that_fits(command, remedy, data_files,
                                                                    tmp_path, monkeypatch):
     """torch's CUDA out-of-memory error (raised here from the model, as a smaller GPU would):
@@ -162,13 +163,14 @@ def test_out_of_gpu_memory_is_one_line_naming_the_option_that_fits(command, reme
 
     model = FIXTURES / "run" / "checkpoint-600.st"
     (tmp_path / "src").write_text("a b\n", encoding="utf-8")
-    argv = {"train": train_args(data_files[0], tmp_path / "run", "--max-steps", 2),
+    argv = {"train": train_args(data_files[0], tmp_path / "run", "--max-steps", 2,
+                                "--max-tokens", 600),
             "decode": ["decode", "-m", model],
             "score": ["score", "-m", model, tmp_path / "src", tmp_path / "src"]}[command]
     monkeypatch.setattr(Transformer, "encode", out_of_memory)
-    assert_clean_error(run_attn(*argv, stdin="a b\n"), "out of GPU memory (CUDA out of memory. "
-                       "Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.77 GiB",
-                       remedy)
+    assert_clean_error(run_attn(*argv, stdin="a b\n"), remedy, "(CUDA out of memory. Tried to "
+                       "allocate 2.00 GiB. GPU 0 has a total capacity of 15.77 GiB",
+                       "lower --max-tokens" if command == "train" else "lower --batch-tokens")
 
 
 def with_file_size_limit(limit: int):
