@@ -126,10 +126,16 @@ def collective_failed(error: BaseException) -> bool:
     return isinstance(error, getattr(dist, "DistError", ())) or "gloo" in str(error)
 
 
-def stop_processes(processes: Processes) -> None:
+def stop_processes(processes: Processes, finished: bool = False) -> None:
+    """The process group torn down. After a run that `finished` normally every process first
+    waits for the others (rank 0 saves last): gloo torn down on one rank while a peer still
+    uses the group aborted it now and then ("terminate called without an active exception",
+    SIGABRT at exit). After an error, no wait: a peer may be gone."""
     if processes.distributed:
         import torch.distributed as dist
 
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -58,11 +58,13 @@ def train(options: TrainOptions, display: Display | None = None) -> Path | None:
     """Run (or resume) training; returns the last checkpoint written (None on other ranks).
     `display` shows progress and metrics rows on the main process."""
     processes = start_processes(options.device, options.dist_timeout_minutes)
-    lock = None
+    lock, finished = None, False
     try:
         lock = _lock_run_directory(Path(options.output), processes)
-        return _train(options, processes,
+        last = _train(options, processes,
                       display if display is not None and processes.is_main else _Quiet())
+        finished = True
+        return last
     except RuntimeError as error:
         if not (processes.distributed and collective_failed(error)):
             raise
@@ -72,9 +74,9 @@ def train(options: TrainOptions, display: Display | None = None) -> Path | None:
                         f"--dist-timeout {options.dist_timeout_minutes:g} min: it must exceed "
                         "a validation and a save)") from None
     finally:
+        stop_processes(processes, finished)
         if lock is not None:
             lock.release()
-        stop_processes(processes)
 
 
 def _lock_run_directory(run_dir: Path, processes: Processes) -> checkpoints.RunLock | None:
