@@ -211,10 +211,12 @@ def _in_process(rank: int, work, port: int, arguments: tuple) -> None:
                       RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                       OMP_NUM_THREADS="1")
     processes = distributed.start_processes("cpu", 1.0)
+    finished = False
     try:
         result = work(processes, *arguments)
+        finished = True
     finally:
-        distributed.stop_processes(processes)
+        distributed.stop_processes(processes, finished)  # as `attn train` ends
     (Path(arguments[-1]) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
