@@ -22,7 +22,7 @@ import torch
 
 from . import stfile
 from .errors import AttnError
-from .files import atomic_output, atomic_path, read_metrics, write_failure
+from .files import atomic_output, atomic_path, cannot_write, read_metrics
 from .formats import (
     ADAM_MOMENTS,
     METRICS_FILE,
@@ -188,8 +188,7 @@ def append_metrics(run_dir: Path, row: dict) -> None:
             handle.write(json.dumps(row) + "\n")
             handle.flush()
     except OSError as error:
-        raise AttnError(f"cannot write {run_dir / METRICS_FILE}: {write_failure(error)}") \
-            from None
+        raise cannot_write(run_dir / METRICS_FILE, error) from None
 
 
 def metric_key(metric: str) -> str:

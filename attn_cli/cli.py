@@ -769,8 +769,7 @@ def _out_of_memory(error: BaseException, argv: list) -> str:
     batch that asked for it, and the option that makes the work fit."""
     said = " ".join(str(error).split("\n")[0].split())[:200]
     words = [str(word) for word in argv]
-    command = next((word for word in words if word in ("train", "decode", "parse", "score")),
-                   "")
+    command = words[0] if words else ""
 
     def given(option: str) -> str | None:
         return words[words.index(option) + 1] if option in words[:-1] else None

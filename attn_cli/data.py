@@ -23,11 +23,11 @@ from .errors import AttnError
 from .files import (
     STRICT,
     Utf8Policy,
+    cannot_write,
     decode_chunk,
     display_name,
     open_binary,
     take_lines,
-    write_failure,
 )
 from .formats import (
     BOS_ID,
@@ -161,7 +161,7 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
                 stats, src_vocab, tgt_vocab, max_len, src_path, tgt_path))
         stats.seconds = time.perf_counter() - started
     except OSError as error:  # a full disk, a quota, a read-only file system
-        raise AttnError(f"cannot write {out_path}: {write_failure(error)}") from None
+        raise cannot_write(out_path, error) from None
     return stats
 
 

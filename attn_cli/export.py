@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import AttnError
-from .files import write_failure
+from .files import cannot_write
 from .formats import MAX_SOURCE_TOKENS, SHARED_EMBEDDING, SOURCE_EMBEDDING, TRANSLATION
 
 
@@ -142,7 +142,7 @@ def export_ct2(model_path: str | Path, output_dir: str | Path, quantization: str
             shutil.rmtree(output_dir)
         os.replace(staging, output_dir)
     except OSError as error:  # a full disk, a quota, a read-only file system
-        raise AttnError(f"cannot write {output_dir}: {write_failure(error)}") from None
+        raise cannot_write(output_dir, error) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return output_dir

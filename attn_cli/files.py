@@ -147,7 +147,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         descriptor, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
                                                  dir=target.parent)
     except OSError as error:
-        raise AttnError(f"cannot write {target}: {write_failure(error)}") from None
+        raise cannot_write(target, error) from None
     os.close(descriptor)
     try:
         yield Path(temp_name)
@@ -158,10 +158,14 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException as error:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp_name)
-        reason = write_failure(error)
-        if reason is not None:  # a full disk, a quota, a read-only or failing file system
-            raise AttnError(f"cannot write {target}: {reason}") from None
+        if write_failure(error) is not None:  # a full disk, a quota, a read-only file system
+            raise cannot_write(target, error) from None
         raise
+
+
+def cannot_write(path: str | os.PathLike, error: BaseException) -> AttnError:
+    """The one error line of a failed write: the file, and the operating system's reason."""
+    return AttnError(f"cannot write {path}: {write_failure(error)}")
 
 
 def write_failure(error: BaseException) -> str | None:

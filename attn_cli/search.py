@@ -190,8 +190,7 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
     rows are grouped K per sentence, which the model uses to share each source's memory."""
     config, stop = model.config, Stop(stop)
     batch, device, nbest = src_tokens.shape[0], src_tokens.device, min(nbest, beam)
-    banned = torch.tensor((config.pad_id, config.bos_id) if banned is None else banned,
-                          dtype=torch.long, device=device)  # uploaded once, not every step
+    banned = banned_ids(config, banned, device)
     limits = output_limits(src_tokens, config.pad_id, max_len_a, max_len_b, longest)  # (B,)
     finished = Finished(batch, nbest, device)
     memory, src_mask = model.encode(src_tokens)
@@ -236,6 +235,24 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
         live, cache = live.advance(scores, origin.gather(1, chosen), tokens.gather(1, chosen),
                                    kept, cache)
     return finished.best()
+
+
+def banned_ids(config, banned: tuple[int, ...] | None, device) -> Tensor:
+    """The tokens a search never chooses (default: padding and BOS), on the device once, not
+    uploaded at every step."""
+    return torch.tensor((config.pad_id, config.bos_id) if banned is None else banned,
+                        dtype=torch.long, device=device)
+
+
+def read_finished(sentences: Tensor, log_probs: Tensor,
+                  histories: Tensor) -> list[tuple[int, float, list[int]]]:
+    """(sentence, log-probability, tokens) of each finished hypothesis: sentences (F,),
+    log_probs (F,), histories (F, t), read to the host at once (float64 holds the token ids
+    and a float32 or float64 score exactly): on a GPU each read is a wait."""
+    rows = torch.cat([sentences[:, None].double(), log_probs[:, None].double(),
+                      histories.double()], dim=1).tolist()
+    return [(int(sentence), score, [int(token) for token in tokens])
+            for sentence, score, *tokens in rows]
 
 
 def output_limits(src_tokens: Tensor, pad_id: int, a: float, b: int,
@@ -335,15 +352,10 @@ class Finished:
         best_ends = torch.zeros_like(self.best_ended, dtype=torch.int32).index_add_(
             0, sentences, (ranks == 0).to(torch.int32))
         self.best_ended |= best_ends > 0
-        # Everything the host needs of the F hypotheses in one read (float64 holds the token
-        # ids and the float32 log-probabilities exactly): on a GPU each read is a wait.
-        found = torch.cat([sentences[:, None].double(), best[rows, ranks, None].double(),
-                           live.history[rows, origin[rows, ranks]].double()], dim=1).tolist()
         changed = set()
-        for sentence, log_prob, *tokens in found:
-            sentence = int(sentence)
-            self.hypotheses[sentence].append(Hypothesis(
-                [int(token) for token in tokens], log_prob / penalty, log_prob))
+        for sentence, log_prob, tokens in read_finished(
+                sentences, best[rows, ranks], live.history[rows, origin[rows, ranks]]):
+            self.hypotheses[sentence].append(Hypothesis(tokens, log_prob / penalty, log_prob))
             changed.add(sentence)
         updated = [sentence for sentence in sorted(changed)
                    if len(self.hypotheses[sentence]) >= self.nbest]
@@ -404,8 +416,7 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
     Returns one hypothesis per sentence, its score the sum of the model's log-probabilities."""
     config = model.config
     batch, device = src_tokens.shape[0], src_tokens.device
-    banned = torch.tensor((config.pad_id, config.bos_id) if banned is None else banned,
-                          dtype=torch.long, device=device)
+    banned = banned_ids(config, banned, device)
     limits = output_limits(src_tokens, config.pad_id, max_len_a, max_len_b, longest)
     uniforms = uniforms.to(device)  # once: indexed by the live rows on the device each step
     memory, src_mask = model.encode(src_tokens)
@@ -425,12 +436,9 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
         ends = tokens == config.eos_id
         ending = ends.nonzero().squeeze(1)  # the step's one read, as in beam_search
         if len(ending):
-            # What the host needs of them in one read (float64 holds ids and scores exactly).
-            for sentence, score, *tokens_so_far in torch.cat(
-                    [active[ending, None].double(), scores[ending, None],
-                     history[ending].double()], dim=1).tolist():
-                found[int(sentence)] = [Hypothesis([int(t) for t in tokens_so_far], score,
-                                                   score)]
+            for sentence, score, tokens_so_far in read_finished(active[ending], scores[ending],
+                                                                history[ending]):
+                found[sentence] = [Hypothesis(tokens_so_far, score, score)]
             kept = (~ends).nonzero().squeeze(1)
             if len(kept) == 0:
                 break
