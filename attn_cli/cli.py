@@ -426,6 +426,85 @@ def decode(
     _write_stats(stats_json, stats, loaded_in)
 
 
+@app.command()
+def serve(
+    model_path: List[Path] = typer.Option(..., "-m", "--model", help="A model file (.st); -m "
+                                          "again for an ensemble, as in `attn decode`."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: "
+                             "every interface; only with --api-key on a shared network)."),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port (0: a free one, "
+                             "named in the first log line)."),
+    name: Optional[str] = typer.Option(None, "--name", help="The model's id in requests and "
+                                       "GET /v1/models [default: the file names' stems]."),
+    langs: Optional[str] = typer.Option(None, "--langs", help="SOURCE-TARGET language codes "
+                                        "(e.g. en-de) for LibreTranslate's /translate and "
+                                        "/languages [default: the model file's, if it has "
+                                        "them; else any pair is accepted]."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="ATTN_API_KEY",
+                                          show_envvar=True, help="Answer only requests that "
+                                          "carry this key (Authorization: Bearer KEY, "
+                                          "X-API-Key, or an api_key field); 401 otherwise."),
+    max_body: int = typer.Option(1 << 20, "--max-body", min=1, help="Largest request body, in "
+                                 "bytes (413 above)."),
+    max_lines: int = typer.Option(1000, "--max-lines", min=1, help="Most lines in one request "
+                                  "(422 above)."),
+    max_line_chars: int = typer.Option(10_000, "--max-line-chars", min=1, help="Longest line, "
+                                       "in characters (422 above)."),
+    queue_lines: int = typer.Option(10_000, "--queue-lines", min=1, help="Lines waiting for a "
+                                    "search, all requests together: a request that does not "
+                                    "fit gets 503 with Retry-After."),
+    max_beam: int = typer.Option(32, "--max-beam", min=1, help="Largest beam (and nbest) a "
+                                 "request may ask for."),
+    gather_ms: float = typer.Option(3.0, "--gather-ms", min=0.0, help="How long an idle "
+                                    "search worker waits for more requests to batch with the "
+                                    "first, in milliseconds."),
+    max_connections: int = typer.Option(1024, "--max-connections", min=1, help="Open "
+                                        "connections at once (503 above)."),
+    beam: int = typer.Option(TRANSLATION.beam, "--beam", min=1, help="Default beam size of a "
+                             f"request (paper: {TRANSLATION.beam}); 1 is greedy."),
+    alpha: float = typer.Option(TRANSLATION.alpha, "--alpha", min=0.0, help="Default length "
+                                f"penalty α (paper: {TRANSLATION.alpha})."),
+    max_len_a: MaxLenAOption = TRANSLATION.max_len_a,
+    max_len_b: int = typer.Option(TRANSLATION.max_len_b, "--max-len-b", min=0,
+                                  help=f"... and b (paper: {TRANSLATION.max_len_b})."),
+    stop: Stop = typer.Option(Stop.bound, "--stop", help="Default end of a sentence's search "
+                              "(see `attn decode --help`)."),
+    batch_tokens: BatchTokensOption = None,
+    device: DeviceOption = Device.auto,
+    dtype: PrecisionOption = Precision.auto,
+    threads: ThreadsOption = 0,
+    workers: WorkersOption = 0,
+) -> None:
+    """Translate over HTTP with the model kept loaded (pip install 'attn[serve]'): POST
+    /v1/translate, GET /v1/models, GET /health, and LibreTranslate's POST /translate and GET
+    /languages. Requests arriving together are searched in shared batches; the answers are
+    `attn decode`'s. Logs one line per request on stderr; SIGTERM finishes open requests, then
+    exits 0."""
+    from .server import MAX_LEN_B, ServeOptions, parse_langs
+    from .server import serve as run_server
+
+    if queue_lines < max_lines:
+        raise AttnError(f"--queue-lines ({queue_lines}) must hold a request of --max-lines "
+                        f"({max_lines})")
+    if max_len_b > MAX_LEN_B:
+        raise AttnError(f"--max-len-b must be at most {MAX_LEN_B}")
+    options = ServeOptions(host=host, port=port, name=name, langs=parse_langs(langs),
+                           api_key=api_key or None, max_body=max_body, max_lines=max_lines,
+                           max_line_chars=max_line_chars, queue_lines=queue_lines,
+                           max_beam=max(max_beam, beam), gather_ms=gather_ms,
+                           max_connections=max_connections)
+
+    def load():
+        from .translate import load_translator
+
+        return load_translator(model_path, beam, device=device.value, dtype=dtype.value,
+                               threads=threads, workers=workers, warn=log, alpha=alpha,
+                               max_len_a=max_len_a, max_len_b=max_len_b, stop=stop,
+                               batch_tokens=batch_tokens)
+
+    run_server(model_path, options, load, log)
+
+
 def _write_stats(path: Path | None, stats, load_seconds: float) -> None:
     """--stats-json: the summary line's figures, and the model's load time, as JSON."""
     if path is not None:

@@ -8,6 +8,7 @@ file streams through in windows of `buffer_size` lines.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -207,12 +208,23 @@ class Translator:
             self._pool.shutdown()
             self._pool = None
 
-    def encode(self, lines: list[str], first_line: int) -> list[list[int]]:
+    def with_options(self, **changes) -> "Translator":
+        """The same models searching with other settings (`DecodeOptions` fields, checked):
+        what a server does for a request that asks for its own beam, nbest, ..."""
+        view = copy.copy(self)
+        view.options = dataclasses.replace(self.options, **changes)
+        view.stats, view._pool = DecodeStats(), None
+        return view
+
+    def encode(self, lines: list[str], first_line: int, where: str = "decode"
+               ) -> list[list[int]]:
+        """Source ids of each line, EOS appended, cut to the models' limit (`where` names the
+        lines' origin in the warning)."""
         ids = self.loaded.src_vocab.encode(lines)
         eos = self.loaded.config.eos_id
         for offset, sequence in enumerate(ids):
             if len(sequence) > self.max_source:
-                self.warn(f"decode: line {first_line + offset}: {len(sequence)} tokens, "
+                self.warn(f"{where}: line {first_line + offset}: {len(sequence)} tokens, "
                           f"truncated to the model's limit of {self.max_source}")
                 self.stats.truncated += 1
                 del sequence[self.max_source:]

@@ -18,7 +18,7 @@ from attn_cli.cli import app
 
 from .conftest import assert_clean_error, run_attn
 
-COMMANDS = ("vocab", "binarize", "train", "average", "decode", "score", "parse")
+COMMANDS = ("vocab", "binarize", "train", "average", "decode", "score", "parse", "serve")
 
 
 def test_help_lists_every_subcommand():

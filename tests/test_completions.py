@@ -32,4 +32,6 @@ def complete(words: str, index: int) -> list[str]:
 def test_completes_subcommands_options_and_presets():
     assert complete("attn tr", 1) == ["train"]
     assert "--beam" in complete("attn decode --be", 2)
+    assert complete("attn se", 1) == ["serve"]
+    assert {"--api-key", "--max-lines", "--max-line-chars"} <= set(complete("attn serve --", 2))
     assert {"big", "big-enfr"} <= set(complete("attn train --preset bi", 3))
