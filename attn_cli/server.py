@@ -633,6 +633,7 @@ def serve(model_paths: list[Path], options: ServeOptions, load, log) -> None:
         sock.close()
     if service.failure is not None:
         raise AttnError(service.failure)
-    log(f"serve: stopped ({next(service.requests) - 1} requests, {service.lines_translated} "
-        "lines translated)")
+    requests, lines = next(service.requests) - 1, service.lines_translated
+    log(f"serve: stopped ({requests} request{'s' if requests != 1 else ''}, {lines} "
+        f"line{'s' if lines != 1 else ''} translated)")
     sys.stderr.flush()
