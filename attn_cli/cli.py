@@ -113,6 +113,18 @@ BufferSizeOption = Annotated[int, typer.Option(
     "by line).")]
 MaxLenAOption = Annotated[float, typer.Option(
     "--max-len-a", min=0.0, help="Output length limit a·|x| + b: a (paper: 1).")]
+# The search settings `decode` uses and `serve` takes as its requests' defaults.
+BeamOption = Annotated[int, typer.Option(
+    "--beam", min=1, help=f"Beam size (paper: {TRANSLATION.beam}); 1 is greedy.")]
+AlphaOption = Annotated[float, typer.Option(
+    "--alpha", min=0.0, help=f"Length penalty α (paper: {TRANSLATION.alpha}).")]
+MaxLenBOption = Annotated[int, typer.Option(
+    "--max-len-b", min=0, help=f"... and b (paper: {TRANSLATION.max_len_b}).")]
+StopOption = Annotated[Stop, typer.Option(
+    "--stop", help="When a sentence's search ends. bound (paper's tensor2tensor): once no live "
+    "hypothesis can beat the best finished, the result of a search to the length limit. "
+    "best-ends (CTranslate2, OpenNMT-py): once the step's best candidate ends; fewer steps, may "
+    "miss a longer, better-scoring output. limit: every sentence to its length limit.")]
 InputOption = Annotated[str, typer.Option("-i", "--input", help="Read this file, not stdin.")]
 StatsJsonOption = Annotated[Optional[Path], typer.Option(
     "--stats-json", help="Also write the summary (sentences, output tokens, seconds, rates, the "
@@ -354,22 +366,13 @@ def decode(
     model_path: List[Path] = typer.Option(..., "-m", "--model", help="A model file (.st); "
                                           "-m again for an ensemble (the models' "
                                           "log-probabilities averaged at each step)."),
-    beam: int = typer.Option(TRANSLATION.beam, "--beam", min=1, help="Beam size (paper: "
-                             f"{TRANSLATION.beam}); 1 is greedy."),
-    alpha: float = typer.Option(TRANSLATION.alpha, "--alpha", min=0.0, help="Length penalty α "
-                                f"(paper: {TRANSLATION.alpha})."),
+    beam: BeamOption = TRANSLATION.beam,
+    alpha: AlphaOption = TRANSLATION.alpha,
     max_len_a: MaxLenAOption = TRANSLATION.max_len_a,
-    max_len_b: int = typer.Option(TRANSLATION.max_len_b, "--max-len-b", min=0,
-                                  help=f"... and b (paper: {TRANSLATION.max_len_b})."),
+    max_len_b: MaxLenBOption = TRANSLATION.max_len_b,
     nbest: int = typer.Option(1, "--nbest", min=1, help="Print the K best as "
                               "`index<TAB>score<TAB>hypothesis` lines (index from 0)."),
-    stop: Stop = typer.Option(Stop.bound, "--stop", help="When a sentence's search ends. "
-                              "bound (paper's tensor2tensor): once no live hypothesis can "
-                              "beat the best finished, the result of a search to the length "
-                              "limit. best-ends (CTranslate2, OpenNMT-py): once the step's "
-                              "best candidate ends; fewer steps, may miss a longer, "
-                              "better-scoring output. limit: every sentence to its length "
-                              "limit."),
+    stop: StopOption = Stop.bound,
     sample: bool = typer.Option(False, "--sample", help="Sample each token from the model's "
                                 "distribution instead of searching (back-translation); "
                                 "--beam, --alpha and --stop then do not apply."),
@@ -460,15 +463,11 @@ def serve(
                                     "first, in milliseconds."),
     max_connections: int = typer.Option(1024, "--max-connections", min=1, help="Open "
                                         "connections at once (503 above)."),
-    beam: int = typer.Option(TRANSLATION.beam, "--beam", min=1, help="Default beam size of a "
-                             f"request (paper: {TRANSLATION.beam}); 1 is greedy."),
-    alpha: float = typer.Option(TRANSLATION.alpha, "--alpha", min=0.0, help="Default length "
-                                f"penalty α (paper: {TRANSLATION.alpha})."),
+    beam: BeamOption = TRANSLATION.beam,
+    alpha: AlphaOption = TRANSLATION.alpha,
     max_len_a: MaxLenAOption = TRANSLATION.max_len_a,
-    max_len_b: int = typer.Option(TRANSLATION.max_len_b, "--max-len-b", min=0,
-                                  help=f"... and b (paper: {TRANSLATION.max_len_b})."),
-    stop: Stop = typer.Option(Stop.bound, "--stop", help="Default end of a sentence's search "
-                              "(see `attn decode --help`)."),
+    max_len_b: MaxLenBOption = TRANSLATION.max_len_b,
+    stop: StopOption = Stop.bound,
     batch_tokens: BatchTokensOption = None,
     device: DeviceOption = Device.auto,
     dtype: PrecisionOption = Precision.auto,
@@ -478,7 +477,8 @@ def serve(
     """Translate over HTTP with the model kept loaded (pip install 'attn[serve]'): POST
     /v1/translate, GET /v1/models, GET /health, and LibreTranslate's POST /translate and GET
     /languages. Requests arriving together are searched in shared batches; the answers are
-    `attn decode`'s. Logs one line per request on stderr; SIGTERM finishes open requests, then
+    `attn decode`'s. --beam, --alpha, --max-len-a/b and --stop are the defaults a request may
+    override. Logs one line per request on stderr; SIGTERM finishes open requests, then
     exits 0."""
     from .server import MAX_LEN_B, ServeOptions, parse_langs
     from .server import serve as run_server

@@ -91,10 +91,9 @@ class RequestQueue:
     def submit(self, job: Job) -> None:
         """Queue a job's non-empty lines (an empty line's output is an empty line, at once).
         Raises QueueFull when they do not fit."""
-        todo = [index for index, line in enumerate(job.lines) if line.strip()]
-        job.outputs = [None] * len(job.lines)
-        for index in set(range(len(job.lines))) - set(todo):
-            job.outputs[index] = (EMPTY, job.translator.detokenize(EMPTY))
+        empty = (EMPTY, job.translator.detokenize(EMPTY))
+        job.outputs = [None if line.strip() else empty for line in job.lines]
+        todo = [index for index, output in enumerate(job.outputs) if output is None]
         job.remaining, job.arrived = len(todo), time.perf_counter()
         if not todo:
             job.done(job)

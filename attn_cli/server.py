@@ -400,8 +400,7 @@ def build_app(service: Service, log):
 
     async def models(request):
         service.check_key(request)
-        return answer({"object": "list", "data": [service.describe()],
-                       "models": [service.describe()]})
+        return answer({"object": "list", "data": [service.describe()]})
 
     async def translate_v1(request):
         body = await read_body(request, service.options.max_body)
