@@ -90,8 +90,8 @@ def recording_render(translator, writer: "AttentionWriter"):
             source = loaded.src_vocab.encode([line])[0][:translator.max_source]
             output = hypotheses[0].tokens
             maps = attention_maps(model, [source], [output])[0]
-            pieces = [loaded.src_vocab.processor.id_to_piece(i) for i in source + [eos]]
-            out_pieces = [loaded.tgt_vocab.processor.id_to_piece(i) for i in output + [eos]]
+            pieces = [loaded.src_vocab.piece(i) for i in source + [eos]]
+            out_pieces = [loaded.tgt_vocab.piece(i) for i in output + [eos]]
             writer.add(index + 1, maps, pieces, out_pieces)
         return translator.format(index, hypotheses)
 

@@ -194,7 +194,8 @@ def vocab(
 def binarize(
     src: str = typer.Argument(..., help="Source-language text, one sentence per line."),
     tgt: str = typer.Argument(..., help="Target-language text, line N translating SRC's line N."),
-    vocab_path: Path = typer.Option(..., "--vocab", help="SentencePiece model from `attn vocab`."),
+    vocab_path: Path = typer.Option(..., "--vocab", help="SentencePiece model from `attn vocab`, "
+                                    "or a model file (its vocabularies: to fine-tune it)."),
     output: Path = typer.Option(..., "-o", "--output", help="The data file to write (.st)."),
     tgt_vocab_path: Optional[Path] = typer.Option(None, "--tgt-vocab",
                                                   help="A separate target vocabulary."),
@@ -207,8 +208,15 @@ def binarize(
     from .data import binarize as binarize_corpus
     from .vocab import Vocabulary
 
-    src_vocab = Vocabulary.from_file(vocab_path)
-    tgt_vocab = Vocabulary.from_file(tgt_vocab_path) if tgt_vocab_path else None
+    if vocab_path.suffix == ".st" and not tgt_vocab_path:  # a model file: its vocabularies
+        from .modelfile import load_model
+
+        loaded = load_model(vocab_path)
+        src_vocab = loaded.src_vocab
+        tgt_vocab = None if loaded.tgt_vocab is loaded.src_vocab else loaded.tgt_vocab
+    else:
+        src_vocab = Vocabulary.from_file(vocab_path)
+        tgt_vocab = Vocabulary.from_file(tgt_vocab_path) if tgt_vocab_path else None
     policy = _utf8_policy(strict=not replace_invalid)
     stats = binarize_corpus(src, tgt, output, src_vocab, tgt_vocab, max_len=max_len,
                             threads=threads, policy=policy)
@@ -806,6 +814,42 @@ def export_ct2(
     export(model_path, output, quantization.value, force=force)
     log(f"export: wrote {output} (CTranslate2, {quantization.value}; source EOS added by "
         "CTranslate2; tokenize with its source.spm)")
+
+
+@export_app.command("hf")
+def export_hf(
+    model_path: Path = typer.Argument(..., metavar="MODEL.st", help="An attn model file."),
+    output: Path = typer.Option(..., "-o", "--output", help="The Hugging Face model directory "
+                                "to write (MarianMTModel and MarianTokenizer load it)."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
+) -> None:
+    """A Hugging Face `transformers` Marian model of an attn model (pip install 'attn[hf]'):
+    greedy `generate` gives `attn decode --beam 1`'s output."""
+    from .hf import export_hf as export
+
+    export(model_path, output, force=force)
+    log(f"export: wrote {output} (transformers MarianMTModel, with its tokenizer and a model "
+        "card)")
+
+
+import_app = typer.Typer(no_args_is_help=True, help="Models made elsewhere, as attn models.",
+                         context_settings={"help_option_names": ["-h", "--help"]})
+app.add_typer(import_app, name="import")
+
+
+@import_app.command("hf")
+def import_hf(
+    directory: Path = typer.Argument(..., metavar="DIR", help="A local MarianMTModel directory "
+                                     "(what save_pretrained writes, with MarianTokenizer's "
+                                     "files: an OPUS-MT model, say)."),
+    output: Path = typer.Option(..., "-o", "--output", help="The attn model file to write."),
+) -> None:
+    """An attn model file from a Hugging Face Marian model (pip install 'attn[hf]'), for
+    decode, score, ensembles and `train --init`. Reads local files only."""
+    from .hf import import_hf as convert
+
+    convert(directory, output)
+    log(f"import: wrote {output}")
 
 
 # ----------------------------------------------------------------------------------------- main

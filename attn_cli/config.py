@@ -51,9 +51,18 @@ class ModelConfig(Architecture):
     bos_id: int = BOS_ID
     eos_id: int = EOS_ID
     layer_norm_eps: float = 1e-6
+    # Options for models made elsewhere (`attn import hf`: OPUS-MT's Marian models); the
+    # defaults are the paper's. §3.3's ReLU or "swish" (x·sigmoid(x)) in the feed-forward
+    # blocks; biases on the attention projections (the paper's are matrices only); a bias
+    # added to the output logits.
+    activation: str = "relu"
+    attention_bias: bool = False
+    output_bias: bool = False
 
     def __post_init__(self) -> None:
         problems = []
+        if self.activation not in ("relu", "swish"):
+            problems.append(f"activation must be 'relu' or 'swish', not {self.activation!r}")
         if self.positions not in ("sinusoidal", "learned"):
             problems.append(f"positions must be 'sinusoidal' or 'learned', not {self.positions!r}")
         if self.norm not in ("post", "pre"):

@@ -113,11 +113,11 @@ class PackedLinear(nn.Module):
 
     ROWS_HINT = 128  # the batch size oneDNN picks the layout for; any batch size works
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, relu: bool = False):
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, activation: str = "none"):
         super().__init__()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.ROWS_HINT)
         self.bias = None if bias is None else bias.detach().clone()
-        self.activation = "relu" if relu else "none"
+        self.activation = activation  # oneDNN's post-op: "none", "relu" or "swish"
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, self.activation,
@@ -125,11 +125,12 @@ class PackedLinear(nn.Module):
 
 
 class PackedFeedForward(nn.Module):
-    """FFN(x) = max(0, x W1 + b1) W2 + b2 with packed weights, the ReLU fused into the first."""
+    """FFN(x) = max(0, x W1 + b1) W2 + b2 with packed weights, the ReLU (or swish) fused into
+    the first."""
 
     def __init__(self, ffn: nn.Module):
         super().__init__()
-        self.inner = PackedLinear(ffn.inner.weight, ffn.inner.bias, relu=True)
+        self.inner = PackedLinear(ffn.inner.weight, ffn.inner.bias, ffn.activation)
         self.outer = PackedLinear(ffn.outer.weight, ffn.outer.bias)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -158,5 +159,5 @@ def pack_for_cpu_inference(model: nn.Module) -> nn.Module:
                 setattr(parent, name, PackedFeedForward(child))
             elif isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child.weight, child.bias))
-    model.output_projection = PackedLinear(model.tgt_embed.weight)
+    model.output_projection = PackedLinear(model.tgt_embed.weight, model.output_bias)
     return model

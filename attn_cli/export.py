@@ -47,6 +47,14 @@ def transformer_spec_of(loaded, add_source_eos: bool = True):
         raise AttnError(f"CTranslate2 needs d_k = d_v = d_model / heads; this model has d_k "
                         f"{config.d_k}, d_v {config.d_v}, d_model {config.d_model}, "
                         f"{config.heads} heads")
+    options = [f"{name} {getattr(config, name)!r}" for name, paper in (
+        ("activation", "relu"), ("attention_bias", False), ("output_bias", False))
+        if getattr(config, name) != paper] + (
+        [] if (config.pad_id, config.unk_id, config.bos_id, config.eos_id) == (0, 1, 2, 3)
+        else ["special ids other than <pad> 0, <unk> 1, <s> 2, </s> 3"])
+    if options:  # an imported model's options: `export hf` writes them back
+        raise AttnError(f"export ct2 writes the paper's architecture; this model has "
+                        f"{', '.join(options)} (try `attn export hf`)")
     weights = {name: tensor.detach().float().numpy() for name, tensor in
                model.state_dict().items()}
     pre = config.norm == "pre"
@@ -85,7 +93,7 @@ def transformer_spec_of(loaded, add_source_eos: bool = True):
     # Pieces in id order: attn's <pad> <unk> <s> </s> (ids 0-3) are CT2's default specials.
     for vocab, register in ((loaded.src_vocab, spec.register_source_vocabulary),
                             (loaded.tgt_vocab, spec.register_target_vocabulary)):
-        register([vocab.processor.id_to_piece(i) for i in range(len(vocab))])
+        register([vocab.piece(i) for i in range(len(vocab))])
     return spec
 
 
@@ -137,7 +145,7 @@ def export_ct2(model_path: str | Path, output_dir: str | Path, quantization: str
     try:
         AttnConverter().convert(str(staging), quantization=quantization, force=True)
         for name, vocab in (("source", loaded.src_vocab), ("target", loaded.tgt_vocab)):
-            (staging / f"{name}.spm").write_bytes(vocab.model_bytes)
+            (staging / f"{name}.spm").write_bytes(vocab.spm_bytes)
         if output_dir.exists():
             shutil.rmtree(output_dir)
         os.replace(staging, output_dir)

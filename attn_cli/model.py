@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .loss import projected_label_smoothed_loss
+from .loss import label_smoothed_loss, projected_label_smoothed_loss
 
 
 def sinusoidal_positions(length: int, d_model: int) -> Tensor:
@@ -76,12 +76,13 @@ class MultiHeadAttention(nn.Module):
         self.cross = cross
         self.attention_dropout = config.attention_dropout
         q_width, v_width = config.heads * config.d_k, config.heads * config.d_v
+        bias = config.attention_bias  # an option (imported models); the paper's have none
         if cross:
-            self.q_proj = nn.Linear(config.d_model, q_width, bias=False)
-            self.kv_proj = nn.Linear(config.d_model, q_width + v_width, bias=False)
+            self.q_proj = nn.Linear(config.d_model, q_width, bias=bias)
+            self.kv_proj = nn.Linear(config.d_model, q_width + v_width, bias=bias)
         else:
-            self.qkv_proj = nn.Linear(config.d_model, 2 * q_width + v_width, bias=False)
-        self.out_proj = nn.Linear(v_width, config.d_model, bias=False)
+            self.qkv_proj = nn.Linear(config.d_model, 2 * q_width + v_width, bias=bias)
+        self.out_proj = nn.Linear(v_width, config.d_model, bias=bias)
         # A list to append each call's attention weights to (B, H, Lq, Lk), for attention maps
         # (`attn decode --attention`); None: not recorded, the fused kernels run.
         self.recorded: list[Tensor] | None = None
@@ -189,15 +190,17 @@ def attention_written_out(queries: Tensor, keys_t: Tensor, values: Tensor,
 
 
 class FeedForward(nn.Module):
-    """§3.3: FFN(x) = max(0, x W1 + b1) W2 + b2."""
+    """§3.3: FFN(x) = max(0, x W1 + b1) W2 + b2 (or swish(x W1 + b1) W2 + b2, an option)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.inner = nn.Linear(config.d_model, config.d_ff)
         self.outer = nn.Linear(config.d_ff, config.d_model)
+        self.activation = config.activation
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.outer(F.relu(self.inner(x)))
+        hidden = self.inner(x)
+        return self.outer(F.relu(hidden) if self.activation == "relu" else F.silu(hidden))
 
 
 class Sublayers(nn.Module):
@@ -372,6 +375,9 @@ class Transformer(nn.Module):
         if config.norm == "pre":  # pre-norm stacks end with a norm; post-norm already did
             self.encoder_norm = nn.LayerNorm(d_model, eps=config.layer_norm_eps)
             self.decoder_norm = nn.LayerNorm(d_model, eps=config.layer_norm_eps)
+        # An option (imported models): a bias added to the logits.
+        self.output_bias = nn.Parameter(torch.zeros(config.tgt_vocab_size)) \
+            if config.output_bias else None
         # Set by `devices.pack_for_cpu_inference`: the output projection in a faster layout.
         self.output_projection: nn.Module | None = None
         self.reset_parameters()
@@ -428,7 +434,7 @@ class Transformer(nn.Module):
         """Pre-softmax projection, sharing the target embedding matrix: (..., D) → (..., V)."""
         if self.output_projection is not None:  # the same matrix, prepared for inference
             return self.output_projection(hidden)
-        return F.linear(hidden, self.tgt_embed.weight)
+        return F.linear(hidden, self.tgt_embed.weight, self.output_bias)
 
     def decode(self, tgt_input: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
         """Teacher-forced decoder: tgt_input (B, T) → hidden states (B, T, D)."""
@@ -452,6 +458,9 @@ class Transformer(nn.Module):
         if output_positions is not None:
             hidden = hidden.flatten(0, 1).index_select(0, output_positions)
         if targets is not None:
+            if self.output_bias is not None:  # the fused loss knows no bias: the formula
+                return label_smoothed_loss(self.output_logits(hidden), targets,
+                                           label_smoothing, self.config.pad_id)
             return projected_label_smoothed_loss(hidden, self.tgt_embed.weight, targets,
                                                  label_smoothing)
         return self.output_logits(hidden)

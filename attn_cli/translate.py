@@ -286,7 +286,7 @@ class Translator:
     def detokenize(self, hypotheses: list[Hypothesis]) -> list[str]:
         vocab = self.loaded.tgt_vocab
         if self.options.raw:
-            return [" ".join(vocab.processor.id_to_piece(t) for t in h.tokens)
+            return [" ".join(vocab.piece(t) for t in h.tokens)
                     for h in hypotheses]
         return vocab.decode([h.tokens for h in hypotheses])
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import random
 from collections.abc import Iterable, Iterator
@@ -25,11 +26,52 @@ def checksum(model_bytes: bytes) -> str:
     return hashlib.sha256(model_bytes).hexdigest()
 
 
+# A vocabulary whose ids are not its SentencePiece model's (an imported model's: OPUS-MT maps
+# pieces to ids with a vocab.json) travels as this line, the pieces in id order as a JSON list on
+# the next line, then the SentencePiece model (whose bytes never begin with "attn").
+PIECE_MAP_MAGIC = b"attn-piece-map-v1\n"
+
+
 @dataclass(frozen=True)
 class Vocabulary:
-    """A SentencePiece model held as bytes, with its processor built on first use."""
+    """A SentencePiece model held as bytes, with its processor built on first use; optionally
+    with its own ids for the pieces (`with_pieces`)."""
 
     model_bytes: bytes = field(repr=False)
+
+    @classmethod
+    def with_pieces(cls, spm_bytes: bytes, pieces: list[str]) -> "Vocabulary":
+        """The SentencePiece model `spm_bytes` splitting text into pieces, and id i naming
+        pieces[i]: a piece the list lacks is the id of "<unk>"."""
+        listing = json.dumps(list(pieces), ensure_ascii=False).encode()
+        return cls(PIECE_MAP_MAGIC + listing + b"\n" + spm_bytes)
+
+    @cached_property
+    def _parts(self) -> tuple[bytes, tuple[str, ...] | None]:
+        if not self.model_bytes.startswith(PIECE_MAP_MAGIC):
+            return self.model_bytes, None
+        listing, _, spm_bytes = self.model_bytes[len(PIECE_MAP_MAGIC):].partition(b"\n")
+        try:
+            pieces = tuple(json.loads(listing))
+        except ValueError:
+            raise AttnError("bad vocabulary (its piece list is not JSON)") from None
+        if "<unk>" not in pieces:
+            raise AttnError("bad vocabulary (its piece list has no <unk>)")
+        return spm_bytes, pieces
+
+    @property
+    def spm_bytes(self) -> bytes:
+        """The SentencePiece model alone."""
+        return self._parts[0]
+
+    @property
+    def pieces(self) -> tuple[str, ...] | None:
+        """The piece of each id when the ids are not the SentencePiece model's (else None)."""
+        return self._parts[1]
+
+    @cached_property
+    def _piece_ids(self) -> dict[str, int]:
+        return {piece: index for index, piece in enumerate(self.pieces)}
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "Vocabulary":
@@ -47,9 +89,11 @@ class Vocabulary:
 
         processor = sentencepiece.SentencePieceProcessor()
         try:
-            processor.LoadFromSerializedProto(self.model_bytes)
+            processor.LoadFromSerializedProto(self.spm_bytes)
         except Exception:  # sentencepiece raises a bare RuntimeError/OSError for bad protos
             raise AttnError("not a SentencePiece model (bad or truncated vocabulary)") from None
+        if self.pieces is not None:  # the ids are the piece list's; the config names specials
+            return processor
         specials = {PAD_ID: processor.pad_id(), UNK_ID: processor.unk_id(),
                     BOS_ID: processor.bos_id(), EOS_ID: processor.eos_id()}
         if any(expected != actual for expected, actual in specials.items()):
@@ -62,13 +106,23 @@ class Vocabulary:
         return checksum(self.model_bytes)
 
     def __len__(self) -> int:
-        return self.processor.get_piece_size()
+        return self.processor.get_piece_size() if self.pieces is None else len(self.pieces)
 
     def encode(self, lines: list[str], threads: int = 0) -> list[list[int]]:
-        return self.processor.encode(lines, num_threads=threads or -1)
+        if self.pieces is None:
+            return self.processor.encode(lines, num_threads=threads or -1)
+        ids, unk = self._piece_ids, self._piece_ids["<unk>"]
+        return [[ids.get(piece, unk) for piece in line]
+                for line in self.processor.encode(lines, out_type=str, num_threads=threads or -1)]
 
     def decode(self, ids: list[list[int]]) -> list[str]:
-        return self.processor.decode(ids)
+        if self.pieces is None:
+            return self.processor.decode(ids)
+        return self.processor.decode_pieces([[self.pieces[i] for i in line] for line in ids])
+
+    def piece(self, index: int) -> str:
+        """The piece id `index` names."""
+        return self.processor.id_to_piece(index) if self.pieces is None else self.pieces[index]
 
 
 def sample_lines(paths: Iterable[str], sample_size: int, seed: int,
