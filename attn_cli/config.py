@@ -77,9 +77,15 @@ class ModelConfig(Architecture):
         if problems:
             raise ValueError("; ".join(problems))
 
+    # Written only when not the paper's: a paper model's file stays as earlier attn wrote it
+    # (and read it).
+    IMPORTED_OPTIONS: ClassVar[dict] = {"activation": "relu", "attention_bias": False,
+                                        "output_bias": False}
+
     def to_json(self) -> str:
-        return json.dumps({"version": CONFIG_FORMAT_VERSION, **dataclasses.asdict(self)},
-                          sort_keys=True)
+        fields = {name: value for name, value in dataclasses.asdict(self).items()
+                  if self.IMPORTED_OPTIONS.get(name, not value) != value}
+        return json.dumps({"version": CONFIG_FORMAT_VERSION, **fields}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "ModelConfig":
