@@ -84,7 +84,7 @@ class ModelConfig(Architecture):
 
     def to_json(self) -> str:
         fields = {name: value for name, value in dataclasses.asdict(self).items()
-                  if self.IMPORTED_OPTIONS.get(name, not value) != value}
+                  if name not in self.IMPORTED_OPTIONS or value != self.IMPORTED_OPTIONS[name]}
         return json.dumps({"version": CONFIG_FORMAT_VERSION, **fields}, sort_keys=True)
 
     @classmethod

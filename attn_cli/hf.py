@@ -21,9 +21,6 @@ which `transformers` ignores and `attn import hf` reads back), so the round trip
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -31,7 +28,7 @@ from torch import Tensor
 
 from .config import ModelConfig
 from .errors import AttnError
-from .files import cannot_write
+from .export import check_output_directory, staged_directory
 from .formats import MAX_SOURCE_TOKENS, TRANSLATION
 from .vocab import Vocabulary
 
@@ -64,11 +61,7 @@ def export_hf(model_path: str | Path, output_dir: str | Path, force: bool = Fals
     from .modelfile import load_model
 
     transformers = _transformers()
-    output_dir = Path(output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise AttnError(f"{output_dir} exists and is not a directory")
-    if output_dir.exists() and any(output_dir.iterdir()) and not force:
-        raise AttnError(f"{output_dir} exists and is not empty (--force replaces it)")
+    output_dir = check_output_directory(output_dir, force)
     loaded = load_model(model_path)
     config = loaded.config
     _check_marian_can_hold(config)
@@ -82,30 +75,11 @@ def export_hf(model_path: str | Path, output_dir: str | Path, force: bool = Fals
                  if name.endswith("embed_positions.weight")}  # Marian's own table, kept
     marian.load_state_dict({**state, **positions}, strict=True)
     marian.generation_config = transformers.GenerationConfig(**generation_fields(config))
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
-    try:
+    with staged_directory(output_dir) as staging:
         marian.save_pretrained(staging)
         _write_tokenizer(staging, loaded)
         (staging / "README.md").write_text(model_card(loaded, model_path))
-        readable_by_all(staging)
-        if output_dir.exists():
-            shutil.rmtree(output_dir)
-        os.replace(staging, output_dir)
-    except OSError as error:
-        raise cannot_write(output_dir, error) from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return output_dir
-
-
-def readable_by_all(directory: Path) -> None:
-    """The modes a plain mkdir and open would give (mkdtemp's directory is private)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for path in directory.iterdir():
-        path.chmod(0o666 & ~umask)
 
 
 def _check_marian_can_hold(config: ModelConfig) -> None:
@@ -148,6 +122,30 @@ def generation_fields(config: ModelConfig) -> dict:
                                                    if config.bos_id != config.pad_id else []),
                 num_beams=TRANSLATION.beam, length_penalty=TRANSLATION.alpha,
                 max_length=MAX_SOURCE_TOKENS + 1 + TRANSLATION.max_len_b)
+
+
+def layer_correspondence(config: ModelConfig) -> list[tuple]:
+    """Every layer's parts as (kind, attn name, Marian name[, projections]): an attention
+    (its attn projections and the Marian ones each splits into), a norm, a feed-forward block.
+    Both directions of the mapping walk this one table."""
+    self_attention = [("qkv_proj", ["q", "k", "v"])]
+    table = []
+    for i in range(config.encoder_layers):
+        ours, theirs = f"encoder_layers.{i}", f"model.encoder.layers.{i}"
+        table += [("attention", f"{ours}.self_attn", f"{theirs}.self_attn", self_attention),
+                  ("norm", f"{ours}.sub.norms.0", f"{theirs}.self_attn_layer_norm"),
+                  ("ffn", ours, theirs),
+                  ("norm", f"{ours}.sub.norms.1", f"{theirs}.final_layer_norm")]
+    for i in range(config.decoder_layers):
+        ours, theirs = f"decoder_layers.{i}", f"model.decoder.layers.{i}"
+        table += [("attention", f"{ours}.self_attn", f"{theirs}.self_attn", self_attention),
+                  ("norm", f"{ours}.sub.norms.0", f"{theirs}.self_attn_layer_norm"),
+                  ("attention", f"{ours}.cross_attn", f"{theirs}.encoder_attn",
+                   [("q_proj", ["q"]), ("kv_proj", ["k", "v"])]),
+                  ("norm", f"{ours}.sub.norms.1", f"{theirs}.encoder_attn_layer_norm"),
+                  ("ffn", ours, theirs),
+                  ("norm", f"{ours}.sub.norms.2", f"{theirs}.final_layer_norm")]
+    return table
 
 
 def marian_state_dict(model: torch.nn.Module, config: ModelConfig) -> dict[str, Tensor]:
@@ -194,21 +192,9 @@ def marian_state_dict(model: torch.nn.Module, config: ModelConfig) -> dict[str, 
     state["model.decoder.embed_tokens.weight"] = target
     state["lm_head.weight"] = target
     state["final_logits_bias"] = bias("output_bias", config.tgt_vocab_size)[None].clone()
-    for i in range(config.encoder_layers):
-        prefix, marian = f"encoder_layers.{i}", f"model.encoder.layers.{i}"
-        attention(f"{prefix}.self_attn", f"{marian}.self_attn", [("qkv_proj", ["q", "k", "v"])])
-        norm(f"{prefix}.sub.norms.0", f"{marian}.self_attn_layer_norm")
-        ffn(prefix, marian)
-        norm(f"{prefix}.sub.norms.1", f"{marian}.final_layer_norm")
-    for i in range(config.decoder_layers):
-        prefix, marian = f"decoder_layers.{i}", f"model.decoder.layers.{i}"
-        attention(f"{prefix}.self_attn", f"{marian}.self_attn", [("qkv_proj", ["q", "k", "v"])])
-        norm(f"{prefix}.sub.norms.0", f"{marian}.self_attn_layer_norm")
-        attention(f"{prefix}.cross_attn", f"{marian}.encoder_attn",
-                  [("q_proj", ["q"]), ("kv_proj", ["k", "v"])])
-        norm(f"{prefix}.sub.norms.1", f"{marian}.encoder_attn_layer_norm")
-        ffn(prefix, marian)
-        norm(f"{prefix}.sub.norms.2", f"{marian}.final_layer_norm")
+    parts = {"attention": attention, "norm": norm, "ffn": ffn}
+    for part, ours, theirs, *projections in layer_correspondence(config):
+        parts[part](ours, theirs, *projections)
     return state
 
 
@@ -426,7 +412,7 @@ def attn_state_dict(marian, config: ModelConfig) -> dict[str, Tensor]:
     def writes(tensor: Tensor) -> Tensor:
         return tensor[back].contiguous()
 
-    def attention(marian: str, prefix: str, projections: list[tuple[str, list[str]]]) -> None:
+    def attention(prefix: str, marian: str, projections: list[tuple[str, list[str]]]) -> None:
         for attn_name, parts in projections:
             weights[f"{prefix}.{attn_name}.weight"] = torch.cat(
                 [reads(state[f"{marian}.{part}_proj.weight"]) for part in parts])
@@ -437,11 +423,11 @@ def attn_state_dict(marian, config: ModelConfig) -> dict[str, Tensor]:
         if config.attention_bias:
             weights[f"{prefix}.out_proj.bias"] = writes(state[f"{marian}.out_proj.bias"])
 
-    def norm(marian: str, name: str) -> None:
+    def norm(name: str, marian: str) -> None:
         for field in ("weight", "bias"):
             weights[f"{name}.{field}"] = writes(state[f"{marian}.{field}"])
 
-    def ffn(marian: str, prefix: str) -> None:
+    def ffn(prefix: str, marian: str) -> None:
         weights[f"{prefix}.ffn.inner.weight"] = reads(state[f"{marian}.fc1.weight"])
         weights[f"{prefix}.ffn.inner.bias"] = state[f"{marian}.fc1.bias"]
         weights[f"{prefix}.ffn.outer.weight"] = writes(state[f"{marian}.fc2.weight"])
@@ -452,19 +438,7 @@ def attn_state_dict(marian, config: ModelConfig) -> dict[str, Tensor]:
         else reads(state["model.encoder.embed_tokens.weight"])
     if config.output_bias:
         weights["output_bias"] = state["final_logits_bias"][0]
-    for i in range(config.encoder_layers):
-        marian, prefix = f"model.encoder.layers.{i}", f"encoder_layers.{i}"
-        attention(f"{marian}.self_attn", f"{prefix}.self_attn", [("qkv_proj", ["q", "k", "v"])])
-        norm(f"{marian}.self_attn_layer_norm", f"{prefix}.sub.norms.0")
-        ffn(marian, prefix)
-        norm(f"{marian}.final_layer_norm", f"{prefix}.sub.norms.1")
-    for i in range(config.decoder_layers):
-        marian, prefix = f"model.decoder.layers.{i}", f"decoder_layers.{i}"
-        attention(f"{marian}.self_attn", f"{prefix}.self_attn", [("qkv_proj", ["q", "k", "v"])])
-        norm(f"{marian}.self_attn_layer_norm", f"{prefix}.sub.norms.0")
-        attention(f"{marian}.encoder_attn", f"{prefix}.cross_attn",
-                  [("q_proj", ["q"]), ("kv_proj", ["k", "v"])])
-        norm(f"{marian}.encoder_attn_layer_norm", f"{prefix}.sub.norms.1")
-        ffn(marian, prefix)
-        norm(f"{marian}.final_layer_norm", f"{prefix}.sub.norms.2")
+    parts = {"attention": attention, "norm": norm, "ffn": ffn}
+    for part, ours, theirs, *projections in layer_correspondence(config):
+        parts[part](ours, theirs, *projections)
     return weights
