@@ -79,13 +79,15 @@ def load(options: TrainOptions, processes: Processes, config: ModelConfig, data:
 def check_resume(saved_config: ModelConfig, config: ModelConfig, saved_vocab: str,
                  data_vocab: str, saved_options: dict, options: TrainOptions,
                  processes: Processes) -> None:
-    """Refuse a changed architecture or vocabulary; say which options differ."""
+    """Refuse a changed architecture or vocabulary; say which options differ. A run seeded by
+    --init has its model file's architecture, not the preset's: its checkpoints hold it."""
     if saved_vocab != data_vocab:
         raise AttnError(f"{options.data} was binarized with another vocabulary than the run "
                         f"in {options.output}: resuming needs the same vocabulary")
     architecture = {f.name for f in dataclasses.fields(ModelConfig)} - {"dropout"}
-    changed = [name for name in sorted(architecture)
-               if getattr(saved_config, name) != getattr(config, name)]
+    seeded = options.init is not None or saved_options.get("init") is not None
+    changed = [] if seeded else [name for name in sorted(architecture)
+                                 if getattr(saved_config, name) != getattr(config, name)]
     if changed:
         differences = ", ".join(f"{name} {getattr(saved_config, name)} -> "
                                 f"{getattr(config, name)}" for name in changed)
@@ -113,6 +115,9 @@ def restore(state: ResumeState, model: torch.nn.Module, optimizer: torch.optim.O
         if state.scaler and dtype == "fp16":
             scaler.load_state_dict(state.scaler)
     point = state.point
+    if options.init is not None:
+        processes.log(f"resume: --init {options.init} is not read: it seeds a new run, and this "
+                      "one goes on from its checkpoint")
     if options.reset_schedule:
         point = dataclasses.replace(point, schedule_offset=point.step)
         processes.log(f"--reset-schedule: warmup starts again at step {point.step + 1}")
@@ -147,15 +152,16 @@ def resumed_stream(data: ParallelData, plan: BatchPlan, seed: int, point: Resume
 
 
 def rank_facts(options: TrainOptions, data: ParallelData, valid: ParallelData | None,
-               point: ResumePoint) -> dict:
+               point: ResumePoint, init_sha256: str | None) -> dict:
     """What every rank must share with rank 0: the options (less the paths, which may differ
-    from node to node: the files' contents are compared instead), the data by checksum, and
-    the point it resumes from."""
+    from node to node: the files' contents are compared instead), the data and the model file
+    a fine-tuning run starts from by checksum, and the point it resumes from."""
     return {
         "options": {key: value for key, value in options.record().items()
                     if key not in PER_NODE_OPTIONS},
         "data file": file_sha256(data.path),
         "validation file": file_sha256(valid.path) if valid is not None else None,
+        "init model file": init_sha256,
         "resumed from": {"step": point.step, "epoch": point.epoch,
                          "offset": point.offset, "elapsed_s": point.elapsed_seconds},
     }
