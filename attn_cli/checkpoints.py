@@ -36,6 +36,9 @@ from .modelfile import LoadedModel, load_model, read_model_header, save_model, u
 from .vocab import Vocabulary
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)\.st$")
+# The provenance of a fine-tuned model (`train --init`): the model file its run started from,
+# and that file's checksum. Every checkpoint of the run records them, and averages keep them.
+INIT_PROVENANCE = ("init", "init_sha256")
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
@@ -196,7 +199,6 @@ def metric_key(metric: str) -> str:
     return f"valid_{metric}"
 
 
-
 def scored_steps(run_dir: str | Path, metric: str | None = None) -> tuple[str, dict[int, float]]:
     """(metric, {step: validation score}) from a run's metrics.jsonl: the metric asked for, or
     the one the run was validated by (its last validation row's `valid_metric`, else loss)."""
@@ -210,11 +212,26 @@ def scored_steps(run_dir: str | Path, metric: str | None = None) -> tuple[str, d
     return metric, scores
 
 
+def _best_first(metric: str) -> float:
+    """A score times this sorts the best first: lower is better for loss, higher for the
+    metrics of decoded output (formats.VALID_METRICS)."""
+    return -1.0 if VALID_METRICS[metric] == "higher" else 1.0
+
+
 def best_steps(scores: dict[int, float], metric: str, count: int) -> list[int]:
     """The `count` best steps by score, best first (the later step first on a tie)."""
-    sign = -1.0 if VALID_METRICS[metric] == "higher" else 1.0
+    sign = _best_first(metric)
     ranked = sorted(scores, key=lambda step: (sign * scores[step], -step))
     return ranked[:count]
+
+
+def validations_since_best(scores: dict[int, float], metric: str) -> tuple[int, int]:
+    """(the step that first reached the best score, how many validations since): the
+    validations in a row that did not beat it, which `train --patience` counts. A tie does not
+    beat the best (a BLEU of 0 validation after validation is no progress)."""
+    sign = _best_first(metric)
+    best = min(scores, key=lambda step: (sign * scores[step], step))
+    return best, sum(step > best for step in scores)
 
 
 def truncate_metrics(run_dir: Path, step: int) -> str | None:
@@ -301,9 +318,10 @@ def write_average(output: Path, first: LoadedModel, mean: dict[str, torch.Tensor
     model = first.model
     model.load_state_dict(mean)
     tgt_vocab = None if first.tgt_vocab is first.src_vocab else first.tgt_vocab
+    seeded_from = {key: first.metadata[key] for key in INIT_PROVENANCE if key in first.metadata}
     save_model(output, model, first.src_vocab, tgt_vocab,
                averaged_from=json.dumps(sources),
-               preset=first.metadata.get("preset", ""))
+               preset=first.metadata.get("preset", ""), **seeded_from)
 
 
 class RunLock:

@@ -230,6 +230,7 @@ def binarize(
 
 @app.command()
 def train(
+    context: typer.Context,
     data: Optional[Path] = typer.Argument(None, metavar="TRAIN.st",
                                           help="Training data from `attn binarize`."),
     output: Optional[Path] = typer.Option(None, "-o", "--output",
@@ -250,6 +251,13 @@ def train(
                                help="Architecture and recipe: " + ", ".join(PRESETS) + " "
                                "(base-A1 to base-E: Table 3's rows; `attn train --preset NAME "
                                "--dry-run` shows one)."),
+    init: Optional[Path] = typer.Option(
+        None, "--init", metavar="MODEL.st", help="Fine-tune: start from this model file's "
+        "weights and architecture, with a fresh optimizer and schedule from step 0 (--warmup, "
+        "--lr-scale and --dropout apply); --preset then gives only the recipe, and must not "
+        "contradict the model's architecture. The data must be binarized with the model's "
+        "vocabulary. With --resume, a run directory that has checkpoints goes on from them "
+        "instead (--init seeds new runs only)."),
     batch_tokens: Optional[int] = typer.Option(
         None, "--batch-tokens", min=1, help="Tokens per side per optimizer step, summed over "
         "all processes (paper: 25000). Default: the preset's."),
@@ -272,6 +280,11 @@ def train(
     keep_best: int = typer.Option(TRAIN_DEFAULTS["keep_best"], "--keep-best", min=0,
                                   help="Also keep the N best checkpoints by --valid-metric "
                                   "(`attn average --best N`)."),
+    patience: int = typer.Option(TRAIN_DEFAULTS["patience"], "--patience", min=0,
+                                 help="Stop early, saving as at the end, after N validations "
+                                 "in a row that do not beat the best so far by --valid-metric "
+                                 "(a tie does not beat it); counted from metrics.jsonl, so a "
+                                 "resumed run counts on. 0: never."),
     seed: int = typer.Option(TRAIN_DEFAULTS["seed"], "--seed",
                              help="Seed for initialisation, batches and dropout."),
     device: DeviceOption = Device.auto,
@@ -322,10 +335,16 @@ def train(
         get_preset(preset)
     except KeyError as error:
         raise AttnError(error.args[0]) from None
-    if (valid_metric != ValidMetric.loss or valid_ref or keep_best) and valid is None:
-        raise AttnError("--valid-metric, --valid-ref and --keep-best need --valid data")
+    if (valid_metric != ValidMetric.loss or valid_ref or keep_best or patience) and valid is None:
+        raise AttnError("--valid-metric, --valid-ref, --keep-best and --patience need --valid "
+                        "data")
     from . import train_report, training
 
+    if init is not None:
+        # A --preset typed beside --init must match the model's architecture; its default
+        # only lends the recipe. (By name: Typer may bring its own copy of click's enum.)
+        if context.get_parameter_source("preset").name == "COMMANDLINE":
+            training.check_init_preset(init, preset)
     if dry_run:
         world_size = nproc or int(os.environ.get("WORLD_SIZE", "1"))
         print(train_report.dry_run_report(options, vocab_size, world_size))

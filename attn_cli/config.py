@@ -232,6 +232,9 @@ class TrainOptions:
     data: Path | None = _option(on_resume=PER_NODE)
     output: Path | None = _option(on_resume=PER_NODE)
     preset: str = _option("base")
+    # fine-tuning: the model file a new run starts from (weights and architecture; the preset
+    # then gives the recipe only); a resumed run goes on from its checkpoint instead
+    init: Path | None = _option(None, on_resume=PER_NODE)
     valid: Path | None = _option(None, on_resume=PER_NODE)
     valid_metric: str = _option("loss", on_resume=FREE)  # formats.VALID_METRICS
     valid_beam: int = _option(1, on_resume=FREE)
@@ -244,6 +247,8 @@ class TrainOptions:
     save_every: str | None = _option(None, on_resume=FREE)
     keep: int = _option(20, on_resume=FREE)
     keep_best: int = _option(0, on_resume=FREE)  # also kept: this many best by valid_metric
+    # stop after this many validations in a row without a new best by valid_metric; 0: never
+    patience: int = _option(0, on_resume=FREE)
     keep_state: int = _option(1, on_resume=FREE)  # training states kept: the newest N
     seed: int = _option(1)
     device: str = _option("auto", on_resume=FREE)

@@ -72,20 +72,23 @@ def load(options: TrainOptions, processes: Processes, config: ModelConfig, data:
                         "path (on several nodes, a shared file system)")
     loaded, state = checkpoints.load_checkpoint(run_dir, step, processes.device)
     check_resume(loaded.config, config, loaded.src_vocab.checksum,
-                 data.metadata["src_vocab_sha256"], state.options, options, processes)
+                 data.metadata["src_vocab_sha256"], state.options, options, processes,
+                 seeded="init" in loaded.metadata)
     return loaded, state
 
 
 def check_resume(saved_config: ModelConfig, config: ModelConfig, saved_vocab: str,
                  data_vocab: str, saved_options: dict, options: TrainOptions,
-                 processes: Processes) -> None:
-    """Refuse a changed architecture or vocabulary; say which options differ."""
+                 processes: Processes, seeded: bool = False) -> None:
+    """Refuse a changed architecture or vocabulary; say which options differ. A run seeded by
+    --init (`seeded`: its checkpoints record the model file) has that file's architecture,
+    not the preset's, and goes on with it whether or not --init is given again."""
     if saved_vocab != data_vocab:
         raise AttnError(f"{options.data} was binarized with another vocabulary than the run "
                         f"in {options.output}: resuming needs the same vocabulary")
     architecture = {f.name for f in dataclasses.fields(ModelConfig)} - {"dropout"}
-    changed = [name for name in sorted(architecture)
-               if getattr(saved_config, name) != getattr(config, name)]
+    changed = [] if seeded else [name for name in sorted(architecture)
+                                 if getattr(saved_config, name) != getattr(config, name)]
     if changed:
         differences = ", ".join(f"{name} {getattr(saved_config, name)} -> "
                                 f"{getattr(config, name)}" for name in changed)
@@ -93,8 +96,8 @@ def check_resume(saved_config: ModelConfig, config: ModelConfig, saved_vocab: st
                         f"({differences}); start a new run to change it")
     recorded = options.record()
     for key in sorted(set(recorded) | set(saved_options)):
-        if key == "resume":
-            continue
+        if key == "resume" or (key == "init" and recorded.get(key) is None):
+            continue  # --init seeds a new run only: leaving it out on resume changes nothing
         before, after = saved_options.get(key), recorded.get(key)
         if before != after:
             note = "" if key in FREELY_CHANGED else " (changes the recipe)"
@@ -113,6 +116,9 @@ def restore(state: ResumeState, model: torch.nn.Module, optimizer: torch.optim.O
         if state.scaler and dtype == "fp16":
             scaler.load_state_dict(state.scaler)
     point = state.point
+    if options.init is not None:
+        processes.log(f"resume: --init {options.init} is not read: it seeds a new run, and this "
+                      "one goes on from its checkpoint")
     if options.reset_schedule:
         point = dataclasses.replace(point, schedule_offset=point.step)
         processes.log(f"--reset-schedule: warmup starts again at step {point.step + 1}")
@@ -147,15 +153,16 @@ def resumed_stream(data: ParallelData, plan: BatchPlan, seed: int, point: Resume
 
 
 def rank_facts(options: TrainOptions, data: ParallelData, valid: ParallelData | None,
-               point: ResumePoint) -> dict:
+               point: ResumePoint, init_sha256: str | None) -> dict:
     """What every rank must share with rank 0: the options (less the paths, which may differ
-    from node to node: the files' contents are compared instead), the data by checksum, and
-    the point it resumes from."""
+    from node to node: the files' contents are compared instead), the data and the model file
+    a fine-tuning run starts from by checksum, and the point it resumes from."""
     return {
         "options": {key: value for key, value in options.record().items()
                     if key not in PER_NODE_OPTIONS},
         "data file": file_sha256(data.path),
         "validation file": file_sha256(valid.path) if valid is not None else None,
+        "init model file": init_sha256,
         "resumed from": {"step": point.step, "epoch": point.epoch,
                          "offset": point.offset, "elapsed_s": point.elapsed_seconds},
     }

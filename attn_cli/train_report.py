@@ -4,7 +4,9 @@ and the `--dry-run` report. Presentation only; training.py calls the display thr
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from pathlib import Path
 
 import torch
 
@@ -13,6 +15,7 @@ from .config import ModelConfig, Preset, Recipe, TrainOptions, get_preset
 from .data import ParallelData
 from .errors import AttnError
 from .model import Transformer
+from .modelfile import read_model_header
 
 
 class TrainingDisplay:
@@ -67,9 +70,18 @@ class TrainingDisplay:
 
 
 def dry_run_report(options: TrainOptions, vocab_size: int | None, world_size: int) -> str:
-    """What `train` would build and how it would batch, without data (given --vocab-size)."""
+    """What `train` would build and how it would batch, without data (given --vocab-size);
+    with --init, the model file's network (its dropout the recipe's) under the preset's recipe."""
     preset = get_preset(options.preset)
     recipe = options.recipe()
+    plan = batch_plan(recipe.batch_tokens, options.max_tokens, world_size)
+    if options.init is not None:
+        try:
+            _, config = read_model_header(options.init)
+        except AttnError as error:
+            raise AttnError(f"--init: {error}") from None
+        config = dataclasses.replace(config, dropout=recipe.dropout)
+        return describe_model(preset, config, recipe, plan, init=options.init)
     if options.data is not None:
         data = ParallelData(options.data)
         src_size = len(data.src_vocab)
@@ -79,7 +91,6 @@ def dry_run_report(options: TrainOptions, vocab_size: int | None, world_size: in
     else:
         raise AttnError("--dry-run needs a data file or --vocab-size")
     config = preset.model_config(src_size, tgt_size, dropout=recipe.dropout)
-    plan = batch_plan(recipe.batch_tokens, options.max_tokens, world_size)
     return describe_model(preset, config, recipe, plan)
 
 
@@ -106,8 +117,9 @@ def parameter_groups(model: Transformer) -> dict[str, int]:
 
 
 def describe_model(preset: Preset, config: ModelConfig, recipe: Recipe | None = None,
-                   plan: BatchPlan | None = None) -> str:
-    """The `--dry-run` report: architecture, recipe and parameter counts, ending `params: N`."""
+                   plan: BatchPlan | None = None, init: Path | None = None) -> str:
+    """The `--dry-run` report: architecture, recipe and parameter counts, ending `params: N`;
+    `init`: the network is that model file's, fine-tuned with the preset's recipe."""
     recipe = recipe or Recipe.from_preset(preset)
     with torch.device("meta"):  # shapes only: instant even for `big`
         model = Transformer(config)
@@ -118,7 +130,8 @@ def describe_model(preset: Preset, config: ModelConfig, recipe: Recipe | None = 
                   f"{config.src_vocab_size} source, {config.tgt_vocab_size} target (tied to the "
                   "output projection)")
     lines = [
-        f"preset      {preset.name}: {preset.description}",
+        f"preset      {preset.name}: {preset.description}" if init is None else
+        f"init        {init} (its architecture; {preset.name}'s recipe, from step 0)",
         f"encoder     {config.encoder_layers} layers",
         f"decoder     {config.decoder_layers} layers",
         f"layer       d_model {config.d_model}, d_ff {config.d_ff}, {config.heads} heads "
@@ -134,7 +147,7 @@ def describe_model(preset: Preset, config: ModelConfig, recipe: Recipe | None = 
     if plan is not None:
         lines.append(plan.describe())
     lines += [f"  {name:<10}{count:>14,}" for name, count in groups.items()]
-    if preset.paper_params_millions is not None:
+    if preset.paper_params_millions is not None and init is None:
         paper = preset.paper_params_millions * 1e6
         lines.append(f"Table 3: {preset.paper_params_millions:g}M with a ~37K vocabulary "
                      f"(this: {total / 1e6:.1f}M, {100 * (total - paper) / paper:+.1f}%)")

@@ -1,8 +1,9 @@
 """Training, as in §5 of the paper: Adam (β1 0.9, β2 0.98, ε 1e-9), the inverse-square-root
 schedule with linear warmup, label smoothing, dropout, batches of ~25000 source + 25000 target
 tokens per step over all processes, and checkpoints every 10 minutes. The loop, in call order:
-`train` starts the processes, `_start` the run (new or resumed), `_step` makes one optimizer
-step, `_record` writes a metrics row (validated at a save) and a checkpoint.
+`train` starts the processes, `_start` the run (new, fine-tuning a model file, or resumed),
+`_step` makes one optimizer step, `_record` writes a metrics row (validated at a save) and a
+checkpoint, `_out_of_patience` stops a run that no longer improves (--patience).
 
 Reproducibility is by construction, so that 1 process equals N processes and a resumed run equals
 an uninterrupted one:
@@ -21,6 +22,7 @@ what they agree on), resume.py (what a resumed run restores and may change).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 import signal
@@ -33,14 +35,15 @@ import torch
 
 from . import checkpoints, resume
 from .batching import Batch, BatchPlan, StepStream, batch_plan, collate, token_batches
-from .checkpoints import ResumePoint, metric_key
-from .config import ModelConfig, Recipe, TrainOptions, get_preset, parse_interval
+from .checkpoints import INIT_PROVENANCE, ResumePoint, metric_key
+from .config import Architecture, ModelConfig, Recipe, TrainOptions, get_preset, parse_interval
 from .data import ParallelData
 from .devices import autocast, resolve_dtype, warn_if_bf16_is_emulated
 from .distributed import (
     Processes,
     all_reduce_sum,
     collective_failed,
+    file_sha256,
     from_main,
     gather_to_main,
     gradient_sync_dtype,
@@ -50,7 +53,7 @@ from .distributed import (
 )
 from .errors import AttnError, TrainingDiverged
 from .model import Transformer
-from .modelfile import unwrap
+from .modelfile import LoadedModel, load_model, read_model_header, unwrap
 from .validation import Validator
 
 
@@ -95,8 +98,9 @@ def _lock_run_directory(run_dir: Path, processes: Processes) -> checkpoints.RunL
 
 
 def _train(options: TrainOptions, processes: Processes, display: Display) -> Path | None:
-    """The loop of §5: a step at a time until max_steps, --max-time or a signal; a metrics row
-    every --log-every steps; a checkpoint (after validation) when one is due and at the end."""
+    """The loop of §5: a step at a time until max_steps, --max-time, a signal or --patience; a
+    metrics row every --log-every steps; a checkpoint (after validation) when one is due and at
+    the end."""
     run, point = _start(options, processes, display)
     step = point.step
     clock = _Clock(point.elapsed_seconds, step, run.recipe.save_every, options.max_time)
@@ -113,7 +117,9 @@ def _train(options: TrainOptions, processes: Processes, display: Display) -> Pat
                          save=float(clock.save_due(step + 1) and processes.is_main),
                          time_up=float(clock.time_up() and processes.is_main))
 
-        while step < run.recipe.max_steps:
+        # A resumed run that had run out of patience stops again where it stopped.
+        stop_reason = _out_of_patience(run, step, clock) if step else None
+        while stop_reason is None and step < run.recipe.max_steps:
             result = _step(run, step, votes)
             step += 1
             window.add(result)
@@ -127,9 +133,9 @@ def _train(options: TrainOptions, processes: Processes, display: Display) -> Pat
             if result.votes.stop or result.votes.time_up:
                 stop_reason = ("stopped by a signal" if result.votes.stop
                                else f"reached --max-time {options.max_time}")
-                break
-        else:
-            stop_reason = f"reached {run.recipe.max_steps} steps"
+            elif result.votes.save:  # validated, when the run has validation data
+                stop_reason = _out_of_patience(run, step, clock)
+        stop_reason = stop_reason or f"reached {run.recipe.max_steps} steps"
     if clock.last_save_step != step or not clock.saved_once:  # the same on every rank
         last_checkpoint = _record(run, step, {"step": step, "elapsed_s": clock.elapsed()},
                                   save=True, clock=clock)
@@ -162,6 +168,7 @@ class _Run:
     steps: StepStream
     schedule_offset: int  # the step the warmup counts from (--reset-schedule)
     votes: torch.Tensor  # (3,) float64 on the host, page-locked on a GPU: a step's votes
+    provenance: dict[str, str]  # what every checkpoint records besides the preset (--init)
 
 
 @dataclass
@@ -175,6 +182,7 @@ class _Prepared:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     point: ResumePoint
+    provenance: dict[str, str]
 
 
 def _start(options: TrainOptions, processes: Processes,
@@ -191,15 +199,14 @@ def _start(options: TrainOptions, processes: Processes,
         valid = ParallelData(options.valid) if options.valid else None
         if valid is not None:
             data.check_same_vocab(valid)
-        config = preset.model_config(len(data.src_vocab),
-                                     None if data.shared_vocab else len(data.tgt_vocab),
-                                     dropout=recipe.dropout)
-        return _Prepared(data, valid, config,
-                         *_model_and_optimizer(options, processes, config, data, dtype,
-                                               resume_step))
+        model, optimizer, scaler, point, provenance = _model_and_optimizer(
+            options, processes, recipe, data, dtype, resume_step)
+        return _Prepared(data, valid, model.config, model, optimizer, scaler, point,
+                         provenance)
 
     prepared = same_on_every_rank(processes, prepare, lambda prepared: resume.rank_facts(
-        options, prepared.data, prepared.valid, prepared.point))
+        options, prepared.data, prepared.valid, prepared.point,
+        prepared.provenance.get("init_sha256")))
     model, point = prepared.model, prepared.point
     validator = None  # on every process: each decodes its share of the validation set
     if prepared.valid is not None and options.valid_metric != "loss":
@@ -233,7 +240,9 @@ def _start(options: TrainOptions, processes: Processes,
             torn = checkpoints.truncate_metrics(run_dir, point.step)
             if torn:
                 processes.log(f"resume: {torn}")
-        processes.log(f"{preset.name}: {sum(p.numel() for p in model.parameters()):,} "
+        what = (preset.name if "init" not in prepared.provenance else
+                f"fine-tuning {prepared.provenance['init']} with {preset.name}'s recipe")
+        processes.log(f"{what}: {sum(p.numel() for p in model.parameters()):,} "
                       f"parameters, {len(prepared.data)} training pairs, {dtype} on "
                       f"{processes.device}")
         processes.log(plan.describe())
@@ -244,23 +253,93 @@ def _start(options: TrainOptions, processes: Processes,
     return _Run(options, recipe, processes, display, run_dir, prepared.data, prepared.valid,
                 validator, dtype, plan, prepared.config, model, trained, prepared.optimizer,
                 prepared.scaler, steps, point.schedule_offset,
-                votes.pin_memory() if on_gpu else votes), point
+                votes.pin_memory() if on_gpu else votes, prepared.provenance), point
 
 
-def _model_and_optimizer(options: TrainOptions, processes: Processes, config: ModelConfig,
+def _model_and_optimizer(options: TrainOptions, processes: Processes, recipe: Recipe,
                          data: ParallelData, dtype: str, step: int | None):
-    """A new model and optimizer, or checkpoint `step`'s with Adam's moments, the data
-    position and the schedule as they were: (model, optimizer, scaler, resume point)."""
+    """A new model (the preset's, or --init's model file) and optimizer from step 0, or
+    checkpoint `step`'s with Adam's moments, the data position and the schedule as they were:
+    (model, optimizer, scaler, resume point, provenance)."""
     torch.manual_seed(options.seed)
     scaler = torch.amp.GradScaler("cuda", enabled=dtype == "fp16")
-    if step is None:
-        model = Transformer(config).to(processes.device).train()
-        return model, adam(model), scaler, ResumePoint()
-    loaded, state = resume.load(options, processes, config, data, step)
-    model = loaded.model.train()
-    optimizer = adam(model)
-    point = resume.restore(state, model, optimizer, scaler, options, dtype, processes)
-    return model, optimizer, scaler, point
+    if step is not None:
+        loaded, state = resume.load(options, processes, _preset_config(options, recipe, data),
+                                    data, step)
+        model = loaded.model.train()
+        optimizer = adam(model)
+        point = resume.restore(state, model, optimizer, scaler, options, dtype, processes)
+        return model, optimizer, scaler, point, _init_provenance(loaded)
+    if options.init is not None:
+        model, provenance = _init_model(options.init, recipe, data, processes.device)
+    else:
+        model = Transformer(_preset_config(options, recipe, data)).to(processes.device)
+        provenance = {}
+    return model.train(), adam(model), scaler, ResumePoint(), provenance
+
+
+def _preset_config(options: TrainOptions, recipe: Recipe, data: ParallelData) -> ModelConfig:
+    """The preset's network for the data's vocabulary, with the recipe's dropout."""
+    return get_preset(options.preset).model_config(
+        len(data.src_vocab), None if data.shared_vocab else len(data.tgt_vocab),
+        dropout=recipe.dropout)
+
+
+# ------------------------------------------------------------------ fine-tuning: --init
+
+
+def _init_model(init: Path, recipe: Recipe, data: ParallelData,
+                device: torch.device) -> tuple[Transformer, dict[str, str]]:
+    """Fine-tuning: the network of the model file `init` (its config as it is, whatever fields
+    it has, with the recipe's dropout) holding its weights, loaded strictly; and the provenance
+    its run's checkpoints record. The optimizer and the schedule start afresh at step 0."""
+    try:
+        loaded = load_model(init)
+    except AttnError as error:
+        raise AttnError(f"--init: {error}") from None
+    _check_init_vocabulary(init, loaded, data)
+    model = Transformer(dataclasses.replace(loaded.config, dropout=recipe.dropout)).to(device)
+    model.load_state_dict(loaded.model.state_dict(), strict=True)
+    return model, {"init": str(init), "init_sha256": file_sha256(init)}
+
+
+def _check_init_vocabulary(init: Path, loaded: LoadedModel, data: ParallelData) -> None:
+    """The data must be in the model's pieces: the vocabularies' checksums must agree."""
+    for side, vocabulary in (("src", loaded.src_vocab), ("tgt", loaded.tgt_vocab)):
+        binarized_with = data.metadata.get(f"{side}_vocab_sha256")
+        if binarized_with != vocabulary.checksum:
+            raise AttnError(f"{data.path} was binarized with another vocabulary than the model "
+                            f"file {init} ({side} vocabulary sha256 {str(binarized_with)[:12]} "
+                            f"vs {vocabulary.checksum[:12]}): binarize it with the model's "
+                            f"(`attn binarize --vocab {init} ...`)")
+
+
+def _init_provenance(checkpoint: LoadedModel) -> dict[str, str]:
+    """What a resumed run's checkpoints record of the model file it was seeded from: what its
+    checkpoint recorded (the run's --init may have moved since; it is not read again)."""
+    return {key: checkpoint.metadata[key] for key in INIT_PROVENANCE
+            if key in checkpoint.metadata}
+
+
+def check_init_preset(init: Path, preset_name: str) -> None:
+    """A --preset given beside --init must describe the model file's architecture (its dropout
+    aside, a recipe option): the file's architecture is the one trained, and a contradicting
+    preset is a mistake to say, not an override to drop silently."""
+    try:
+        _, config = read_model_header(init)
+    except AttnError as error:
+        raise AttnError(f"--init: {error}") from None
+    preset = get_preset(preset_name)
+    differ = [field.name for field in dataclasses.fields(Architecture)
+              if field.name != "dropout"
+              and getattr(preset, field.name) != getattr(config, field.name)]
+    if differ:
+        model_has = ", ".join(f"{name} {getattr(config, name)}" for name in differ)
+        preset_has = ", ".join(str(getattr(preset, name)) for name in differ)
+        raise AttnError(f"--preset {preset_name} contradicts --init {init}: the model has "
+                        f"{model_has} where the preset has {preset_has} (the architecture comes "
+                        "from the model file: leave out --preset, or give one of that "
+                        "architecture for its recipe)")
 
 
 def adam(model: torch.nn.Module) -> torch.optim.Adam:
@@ -487,7 +566,7 @@ def _save(run_dir: Path, step: int, run: _Run, elapsed: float) -> Path | None:
     try:
         path = checkpoints.save_checkpoint(run_dir, step, run.model, run.optimizer, state,
                                            run.data.src_vocab, tgt_vocab,
-                                           {"preset": run.options.preset})
+                                           {"preset": run.options.preset, **run.provenance})
     except AttnError as error:  # a full disk: say what the run can go on from
         good = checkpoints.list_checkpoints(run_dir, need_state=True)
         raise AttnError(f"{error}; the last checkpoint safe to resume from is {good[-1][1]}"
@@ -500,6 +579,27 @@ def _save(run_dir: Path, step: int, run: _Run, elapsed: float) -> Path | None:
                                            if step in saved}, metric, run.options.keep_best))
     checkpoints.prune_checkpoints(run_dir, run.options.keep, best, run.options.keep_state)
     return path
+
+
+def _out_of_patience(run: _Run, step: int, clock: _Clock) -> str | None:
+    """Why the run stops early (None: it goes on): --patience validations in a row have not
+    beaten the best by --valid-metric. Counted from the validations in metrics.jsonl at the
+    save cadence's steps (not those of a save where a run was stopped off it), so that a
+    resumed run counts as the uninterrupted one did; rank 0 reads them and decides for every
+    rank."""
+    if not run.options.patience or run.valid is None:
+        return None
+    reason = None
+    if run.processes.is_main:
+        metric, scores = checkpoints.scored_steps(run.run_dir, run.options.valid_metric)
+        scores = {at: score for at, score in scores.items() if clock.on_cadence(at)}
+        if scores:
+            best, since = checkpoints.validations_since_best(scores, metric)
+            if since >= run.options.patience:
+                reason = (f"stopped early at step {step}: {since} validations without beating "
+                          f"step {best}'s {metric} {scores[best]:.4g} "
+                          f"(--patience {run.options.patience})")
+    return from_main(reason, run.processes)
 
 
 # ---------------------------------------------------------------------- the run's companions
@@ -562,9 +662,15 @@ class _Clock:
         return self.elapsed_before + time.monotonic() - self.started
 
     def save_due(self, next_step: int) -> bool:
-        if self.save_unit == "steps":
-            return next_step - self.last_save_step >= self.save_amount
+        if self.save_unit == "steps":  # on the multiples, whatever saves came between
+            return self.on_cadence(next_step)
         return time.monotonic() - self.last_save_time >= self.save_amount
+
+    def on_cadence(self, step: int) -> bool:
+        """A step-counted cadence saves (and validates) at the multiples of --save-every, so
+        that a run stopped off them (a signal, --max-time, --max-steps) and resumed saves where
+        the uninterrupted run does. A timed cadence: every step may be one."""
+        return self.save_unit != "steps" or step % self.save_amount == 0
 
     def time_up(self) -> bool:
         return self.elapsed() >= self.max_seconds
