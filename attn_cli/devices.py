@@ -161,3 +161,28 @@ def pack_for_cpu_inference(model: nn.Module) -> nn.Module:
                 setattr(parent, name, PackedLinear(child.weight, child.bias))
     model.output_projection = PackedLinear(model.tgt_embed.weight, model.output_bias)
     return model
+
+
+def quantize_for_cpu_inference(model: nn.Module) -> nn.Module:
+    """`--int8`: every linear layer and the output projection (a copy of the tied embedding;
+    the embedding lookups stay float32) as torch's dynamic int8 linear layers (fbgemm/oneDNN
+    on x86, any CPU): weights int8 per output channel, each call's input quantized to uint8 by
+    its own range, int32 accumulation, float32 output. 2-3x faster than the float32 matmuls on
+    the shapes of a search; an option, never the default: the input's range, and so a row's
+    result, depends on the rows batched with it, and the BLEU moves (benchmarks/README.md)."""
+    import warnings
+
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    projection = nn.Linear(model.config.d_model, model.config.tgt_vocab_size,
+                           bias=model.output_bias is not None)
+    with torch.no_grad():
+        projection.weight.copy_(model.tgt_embed.weight)
+        if model.output_bias is not None:
+            projection.bias.copy_(model.output_bias)
+    model.output_projection = projection
+    with warnings.catch_warnings():  # torch marks eager quantization as moving to torchao
+        warnings.simplefilter("ignore")
+        quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8,
+                         inplace=True)
+    return model

@@ -23,7 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from .batching import pad_sequences, token_budget_batches
-from .devices import inference_dtype, pack_for_cpu_inference, search_batch_tokens
+from .devices import (
+    inference_dtype,
+    pack_for_cpu_inference,
+    quantize_for_cpu_inference,
+    search_batch_tokens,
+)
 from .ensemble import Ensemble, load_models
 from .errors import AttnError
 from .files import STRICT, Utf8Policy
@@ -167,7 +172,7 @@ class Translator:
 
     def __init__(self, loaded: LoadedModel, options: DecodeOptions, device: torch.device,
                  dtype: str = "fp32", warn=None, constraint_for=None,
-                 ensemble: list[LoadedModel] = ()):
+                 ensemble: list[LoadedModel] = (), int8: bool = False):
         self.loaded, self.options, self.device = loaded, options, device
         # Inference in bf16/fp16 converts the weights once (no per-call autocast casts): on a
         # CPU with native bf16 (AMX, AVX512-BF16) beam search runs 1.1-1.3x faster
@@ -176,7 +181,9 @@ class Translator:
         models = []
         for member in (loaded, *ensemble):
             model = member.model.to(device=device, dtype=precision[dtype]).eval()
-            if device.type == "cpu":
+            if int8:  # `--int8`: int8 linear layers instead of the packed float32 ones
+                quantize_for_cpu_inference(model)
+            elif device.type == "cpu":
                 pack_for_cpu_inference(model)
             models.append(model)
         self.model = models[0] if len(models) == 1 else Ensemble(models)
@@ -311,10 +318,12 @@ def search_workers(threads: int, workers: int, device: torch.device) -> tuple[in
 
 def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "auto",
                     dtype: str = "auto", threads: int = 0, workers: int = 0, warn=None,
-                    constraint_for=None, **options) -> Translator:
+                    constraint_for=None, int8: bool = False, **options) -> Translator:
     """A model file (a list of them: an ensemble) made ready to decode: the device (auto: a GPU
     when torch sees one), the precision (auto: bf16 on CUDA, fp32 on a CPU), the CPU threads (0:
-    every core) and how many batches are searched side by side (0: auto), with the search
+    every core) and how many batches are searched side by side (0: auto), `int8`: the linear
+    layers as int8 ones (a CPU, float32 activations: `devices.quantize_for_cpu_inference`),
+    with the search
     settings of `DecodeOptions` (beam, alpha, max_len_a, max_len_b, nbest, batch_tokens, ...).
     `constraint_for(loaded model)`, if given, makes the search constraint's factory for that
     model (`tree_search.tree_constraints`: parsing). This is what `attn decode` and `attn parse`
@@ -325,14 +334,21 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
     """
     settings = DecodeOptions(beam=beam, **options)  # checked before the models load
     paths = list(model_path) if isinstance(model_path, (list, tuple)) else [model_path]
+    int8_refused = AttnError("--int8 is torch's dynamic int8 quantization of the linear "
+                             "layers, for float32 on a CPU (--device cpu, --dtype auto or "
+                             "fp32); on a GPU use --dtype bf16")
+    if int8 and dtype not in ("auto", "fp32"):
+        raise int8_refused
     (loaded, *ensemble), chosen, threads = load_models(paths, device, threads)
+    if int8 and chosen.type != "cpu":
+        raise int8_refused
     workers, worker_threads = search_workers(threads, workers, chosen)
     settings = dataclasses.replace(settings, workers=workers, worker_threads=worker_threads,
                                    batch_tokens=settings.batch_tokens or
                                    search_batch_tokens(chosen))
     return Translator(loaded, settings, chosen, inference_dtype(dtype, chosen), warn=warn,
                       constraint_for=constraint_for(loaded) if constraint_for else None,
-                      ensemble=ensemble)
+                      ensemble=ensemble, int8=int8)
 
 
 def run(translator: Translator, stream, out, name: str = "<stdin>", render=None,

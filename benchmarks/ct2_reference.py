@@ -53,14 +53,15 @@ def convert(model_path: str, output_dir: str) -> str:
 
 
 def translate(ct2_dir: str, lines: list[str], beam: int, threads: int, layout: str = "inter",
-              length_penalty: float | None = None, batch_tokens: int = BATCH_TOKENS
-              ) -> tuple[list[str], float, int]:
+              length_penalty: float | None = None, batch_tokens: int = BATCH_TOKENS,
+              compute_type: str = "float32") -> tuple[list[str], float, int]:
     """Decode `lines` (non-empty) → (outputs, seconds, output tokens with one EOS each).
 
     layout "inter": `threads` batches at once, one thread each (as attn's CPU default, one
     search worker per thread), the faster; "intra": one batch at a time on `threads` threads
     (6-10x slower on a busy 2-core VM, its OpenMP threads waiting on each other). Seconds run
-    from tokenizing to detokenizing, model load excluded (as attn decode's summary line)."""
+    from tokenizing to detokenizing, model load excluded (as attn decode's summary line).
+    `compute_type`: CTranslate2's ("int8": its int8 weights and activations)."""
     import ctranslate2
 
     src_vocab, tgt_vocab = (Vocabulary.from_file(Path(ct2_dir, f"{name}.spm"))
@@ -68,7 +69,7 @@ def translate(ct2_dir: str, lines: list[str], beam: int, threads: int, layout: s
     src_pieces = [src_vocab.processor.id_to_piece(i) for i in range(len(src_vocab))]
     tgt_ids = {tgt_vocab.processor.id_to_piece(i): i for i in range(len(tgt_vocab))}
     inter, intra = (threads, 1) if layout == "inter" else (1, threads)
-    translator = ctranslate2.Translator(ct2_dir, device="cpu", compute_type="float32",
+    translator = ctranslate2.Translator(ct2_dir, device="cpu", compute_type=compute_type,
                                        inter_threads=inter, intra_threads=intra)
     if length_penalty is None:
         length_penalty = TRANSLATION.alpha if beam > 1 else 0.0

@@ -18,6 +18,10 @@ bundled), it runs the real command in a subprocess and reports:
 
     python benchmarks/decode_speed.py -m model.st
     python benchmarks/decode_speed.py -m model.st --beams 4 --extra "--dtype bf16"
+    python benchmarks/decode_speed.py -m model.st --int8
+
+`--int8`: attn with `--int8` against CTranslate2's `int8` compute type, and attn's float32 BLEU
+of the same run beside (target: within 0.3).
 
 Report on stderr (with the CPU model and ISA), one JSON object on stdout. Only the same-run
 ratios carry from one machine to another; the absolute figures are this machine's.
@@ -99,6 +103,8 @@ def main() -> None:
                         help="Skip the one-sentence-at-a-time comparison.")
     parser.add_argument("--startup-repeats", type=int, default=5,
                         help="One-sentence decodes (and `import torch`) timed; 0: none.")
+    parser.add_argument("--int8", action="store_true", help="attn --int8 against "
+                        "CTranslate2 int8, with attn's float32 BLEU for the difference.")
     parser.add_argument("--no-reference", action="store_true",
                         help="Skip CTranslate2 even if it is installed.")
     args = parser.parse_args()
@@ -107,7 +113,9 @@ def main() -> None:
     source = read_bundled("test_2016_flickr.en.gz")
     lines = source.splitlines()
     references = read_bundled("test_2016_flickr.de.gz").splitlines()
-    extra = ["--threads", str(args.threads), *args.extra.split()]
+    extra = ["--threads", str(args.threads), *args.extra.split(),
+             *(["--int8"] if args.int8 else [])]
+    compute_type = "int8" if args.int8 else "float32"
     reference = None
     if not args.no_reference:
         try:
@@ -132,8 +140,8 @@ def main() -> None:
             for _ in range(args.repeats):  # interleaved: both see the same machine
                 attn_runs.append(decode(args.model, source, beam, extra))
                 if reference is not None:
-                    outputs, seconds, tokens = reference.translate(ct2_dir, lines, beam,
-                                                                   args.threads)
+                    outputs, seconds, tokens = reference.translate(
+                        ct2_dir, lines, beam, args.threads, compute_type=compute_type)
                     ct2_runs.append({"output": outputs, "decode_s": seconds, "tokens": tokens,
                                      "sentences_per_s": len(lines) / seconds,
                                      "tokens_per_s": tokens / seconds})
@@ -141,6 +149,13 @@ def main() -> None:
             bleu = sacrebleu.corpus_bleu(batched["output"].splitlines(), [references]).score
             run = {key: value for key, value in batched.items() if key != "output"}
             run["bleu"] = bleu
+            if args.int8:  # the float32 output's BLEU, to say what int8 costs
+                fp32 = decode(args.model, source, beam, [x for x in extra if x != "--int8"])
+                run["fp32_bleu"] = sacrebleu.corpus_bleu(fp32["output"].splitlines(),
+                                                         [references]).score
+                log(f"beam {beam}: --int8 BLEU {bleu:.2f} against float32 "
+                    f"{run['fp32_bleu']:.2f} ({bleu - run['fp32_bleu']:+.2f}; target within "
+                    f"0.3: {'PASS' if abs(bleu - run['fp32_bleu']) <= 0.3 else 'FAIL'})")
             log(f"beam {beam}: {run['sentences_per_s']:.1f} sentences/s, "
                 f"{run['tokens_per_s']:.0f} tokens/s; BLEU {bleu:.2f}; decode "
                 f"{run['decode_s']:.2f}s (runs: {run['decode_s_all']}), model load "
@@ -156,7 +171,8 @@ def main() -> None:
                     "attn_tokens_per_s_ratio": run["tokens_per_s"] / ct2["tokens_per_s"]}
                 ratio = run["ctranslate2"]["attn_tokens_per_s_ratio"]
                 run["pass"] = ratio >= CT2_RATIO_TARGET
-                log(f"        CTranslate2 float32, same batches: {ct2['sentences_per_s']:.1f} "
+                log(f"        CTranslate2 {compute_type}, same batches: "
+                    f"{ct2['sentences_per_s']:.1f} "
                     f"sentences/s, {ct2['tokens_per_s']:.0f} tokens/s, BLEU {ct2_bleu:.2f} "
                     f"(runs: {ct2['decode_s_all']}); attn/CTranslate2: "
                     f"{run['ctranslate2']['attn_speed_ratio']:.2f}x sentences/s, "

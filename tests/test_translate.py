@@ -8,9 +8,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import attn_cli
 from attn_cli import load_translator
+from attn_cli.batching import pad_sequences
 from attn_cli.errors import AttnError
 from attn_cli.translate import DecodeOptions
 
@@ -193,3 +195,56 @@ def test_load_translator_checks_its_options_before_loading_the_model(tmp_path):
         load_translator(missing, topk=5)
     with pytest.raises(AttnError, match="does not exist"):  # good options: the file is wrong
         load_translator(missing)
+
+
+# ---------------------------------------------------------------------------------------- --int8
+
+
+def test_int8_quantizes_every_linear_layer_and_stays_close_to_float32(trained, corpus):
+    """--int8: every linear layer and the output projection int8, the embeddings float32;
+    the logits of a teacher-forced batch within a few percent of float32's scale, and the
+    command's output one line per line, most of them the float32 ones."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    model, _ = trained
+    translator = load_translator(model, device="cpu", int8=True)
+    reference = load_translator(model, device="cpu")
+    quantized = translator.model
+    linears = [module for module in quantized.modules()
+               if isinstance(module, (torch.nn.Linear, DynamicLinear))]
+    assert linears and all(isinstance(module, DynamicLinear) for module in linears)
+    assert isinstance(quantized.output_projection, DynamicLinear)
+    assert quantized.tgt_embed.weight.dtype == torch.float32
+
+    lines = corpus["val.en"].read_text(encoding="utf-8").splitlines()[:40]
+    ids = translator.encode(lines, 1)
+    src = pad_sequences(ids, translator.loaded.config.pad_id)
+    tgt = src[:, :8].clone()
+    tgt[:, 0] = translator.loaded.config.bos_id
+    with torch.inference_mode():
+        exact = reference.model(src, tgt)
+        approximate = quantized(src, tgt)
+    scale = exact.std().item()
+    assert (approximate - exact).abs().max().item() < 0.2 * scale, scale
+    assert (approximate - exact).abs().mean().item() < 0.03 * scale, scale
+
+    stdin = "\n".join(lines[:20]) + "\n\n"
+    int8 = run_attn("decode", "-m", model, "--int8", stdin=stdin)
+    fp32 = run_attn("decode", "-m", model, stdin=stdin)
+    assert int8.returncode == 0, int8.stderr
+    outputs, expected = int8.stdout.split("\n"), fp32.stdout.split("\n")
+    assert len(outputs) == len(expected) == 22 and outputs[-2:] == ["", ""]
+    assert sum(a == b for a, b in zip(outputs, expected)) >= 11
+
+
+def test_int8_is_refused_beside_another_precision(trained):
+    model, _ = trained
+    result = run_attn("decode", "-m", model, "--int8", "--dtype", "bf16", stdin="a\n")
+    assert_clean_error(result, "--int8", "float32 on a CPU")
+
+
+@pytest.mark.gpu
+def test_int8_is_refused_on_a_gpu(trained):
+    model, _ = trained
+    result = run_attn("decode", "-m", model, "--int8", "--device", "cuda", stdin="a\n")
+    assert_clean_error(result, "--int8", "on a GPU use --dtype bf16")
