@@ -27,13 +27,13 @@ from .formats import (
     GPU_BATCH_TOKENS,
     GRAD_SYNC,
     PARSING,
+    TERMINALS,
+    TOKENIZERS,
     TRANSLATION,
     VALID_METRICS,
     WORD_SCORES,
     Stop,
 )
-from .scoring import TOKENIZERS
-from .trees import TERMINALS
 
 app = typer.Typer(
     name="attn",

@@ -73,6 +73,11 @@ ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 # `attn score --tokenize compound-split`: the paper's tokenized BLEU, hyphenated compounds split
 # (compound_bleu.py), offered beside sacreBLEU's tokenizers.
 COMPOUND_SPLIT = "compound-split"
+# sacreBLEU's tokenizers (`attn score --tokenize`)
+TOKENIZERS = ("13a", "intl", "none", "zh", "ja-mecab", "ko-mecab", "char", "flores101",
+              "flores200")
+# What a parse tree's leaves are in a model's output (trees.py)
+TERMINALS = ("placeholders", "words")
 
 # ------------------------------------------------------------------------------- run directory
 

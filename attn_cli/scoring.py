@@ -15,11 +15,9 @@ from dataclasses import dataclass
 from . import compound_bleu
 from .errors import AttnError
 from .files import STRICT, Utf8Policy, display_name, read_raw_lines
-from .formats import BATCH_TOKENS, COMPOUND_SPLIT
+from .formats import BATCH_TOKENS, COMPOUND_SPLIT, TOKENIZERS
 
 METRICS = ("bleu", "chrf", "ter")
-TOKENIZERS = ("13a", "intl", "none", "zh", "ja-mecab", "ko-mecab", "char", "flores101",
-              "flores200")
 
 
 def read_parallel(first: str, second: str, policy: Utf8Policy = STRICT

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .errors import AttnError
+from .formats import TERMINALS
 
 PLACEHOLDER = "XX"  # every POS tag in linearized trees (EVALB does not score tags)
 ROOT = "TOP"  # the outer bracket; Penn Treebank files leave it unlabelled
@@ -137,7 +138,6 @@ def normalize_tags(tree: Tree) -> Tree:
 # ------------------------------------------------------------------------------ linearization
 
 
-TERMINALS = ("placeholders", "words")
 
 
 def linearize(tree: Tree, terminals: str = "placeholders") -> str:
