@@ -1,0 +1,85 @@
+"""Where `attn decode`'s time goes, op by op: the test set searched in one process on one torch
+thread (one search worker), under torch.profiler, with the search's own parts labelled.
+
+    python benchmarks/decode_profile.py -m model.st [--beam 4] [--int8] [--lines 1000] [--top 25]
+    python benchmarks/decode_profile.py -m model.st --write before.txt   # then, changed:
+    python benchmarks/decode_profile.py -m model.st --check before.txt --no-profile
+
+Prints on stderr the wall time of a plain run (no profiler) and the profiled table of the ops
+that took the most time (self CPU time), and on stdout one JSON object: the plain seconds, the
+output tokens, and the top ops with their self time in ms and call counts. With `--check FILE`
+the outputs are compared with FILE (one line per line) and the differences counted: the way to
+show that a change to the search is byte-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import _harness  # noqa: F401  (this checkout first on the path)
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-m", "--model", required=True)
+    parser.add_argument("--beam", type=int, default=4)
+    parser.add_argument("--nbest", type=int, default=1)
+    parser.add_argument("--int8", action="store_true", help="attn decode --int8's model.")
+    parser.add_argument("--lines", type=int, default=1000)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--repeats", type=int, default=3, help="Plain runs; the best is shown.")
+    parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--check", help="A file of expected outputs, one line per line.")
+    parser.add_argument("--write", help="Write the outputs here.")
+    args = parser.parse_args()
+
+    from attn_cli.translate import load_translator
+
+    torch.set_num_threads(1)
+    translator = load_translator(args.model, beam=args.beam, nbest=args.nbest, device="cpu",
+                                 threads=1, workers=1, int8=args.int8)
+    lines = _harness.read_bundled("test_2016_flickr.en.gz").splitlines()[:args.lines]
+    translator.translate(lines[:20])  # oneDNN's kernels made, caches touched
+    best, outputs = float("inf"), []
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        outputs = translator.translate(lines)
+        best = min(best, time.perf_counter() - started)
+    tokens = sum(len(line.split()) for line in outputs)
+    print(f"plain: {best:.3f} s for {len(lines)} lines (best of {args.repeats}), beam "
+          f"{args.beam}, 1 thread", file=sys.stderr)
+    report = {"seconds": best, "lines": len(lines), "beam": args.beam}
+    if args.write:
+        with open(args.write, "w", encoding="utf-8") as out:
+            out.writelines(line + "\n" for line in outputs)
+    if args.check:
+        with open(args.check, encoding="utf-8") as expected_file:
+            expected = expected_file.read().split("\n")[:len(outputs)]
+        differ = sum(a != b for a, b in zip(outputs, expected)) + abs(len(outputs) -
+                                                                      len(expected))
+        print(f"check: {differ} of {len(outputs)} lines differ from {args.check}",
+              file=sys.stderr)
+        report["differ"] = differ
+    if not args.no_profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            translator.translate(lines)
+        table = prof.key_averages()
+        ranked = sorted(table, key=lambda e: -e.self_cpu_time_total)[:args.top]
+        total = sum(e.self_cpu_time_total for e in table) / 1e3
+        print(f"profiled: {total:.0f} ms of op self time (the profiler adds its own)",
+              file=sys.stderr)
+        for event in ranked:
+            print(f"  {event.key:<40} {event.self_cpu_time_total / 1e3:9.1f} ms "
+                  f"{event.count:>8} calls", file=sys.stderr)
+        report["ops"] = [{"op": e.key, "ms": e.self_cpu_time_total / 1e3, "calls": e.count}
+                         for e in ranked]
+    report["output_words"] = tokens
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
