@@ -165,11 +165,12 @@ def pack_for_cpu_inference(model: nn.Module) -> nn.Module:
 
 def quantize_for_cpu_inference(model: nn.Module) -> nn.Module:
     """`--int8`: every linear layer and the output projection (a copy of the tied embedding;
-    the embedding lookups stay float32) as torch's dynamic int8 linear layers (fbgemm/oneDNN
-    on x86, any CPU): weights int8 per output channel, each call's input quantized to uint8 by
-    its own range, int32 accumulation, float32 output. 2-3x faster than the float32 matmuls on
-    the shapes of a search; an option, never the default: the input's range, and so a row's
-    result, depends on the rows batched with it, and the BLEU moves (benchmarks/README.md)."""
+    the embedding lookups stay float32) as torch's dynamic int8 linear layers (its quantized
+    engine: fbgemm on x86, qnnpack on ARM): weights int8 per output channel, each call's
+    input quantized to uint8 by its own range, int32 accumulation, float32 output. 2-3x faster
+    than the float32 matmuls on the shapes of a search; an option, never the default: the
+    input's range, and so a row's result, depends on the rows batched with it, and the BLEU
+    moves (benchmarks/README.md)."""
     import warnings
 
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic

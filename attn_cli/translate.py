@@ -321,10 +321,10 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
                     constraint_for=None, int8: bool = False, **options) -> Translator:
     """A model file (a list of them: an ensemble) made ready to decode: the device (auto: a GPU
     when torch sees one), the precision (auto: bf16 on CUDA, fp32 on a CPU), the CPU threads (0:
-    every core) and how many batches are searched side by side (0: auto), `int8`: the linear
-    layers as int8 ones (a CPU, float32 activations: `devices.quantize_for_cpu_inference`),
-    with the search
-    settings of `DecodeOptions` (beam, alpha, max_len_a, max_len_b, nbest, batch_tokens, ...).
+    every core), how many batches are searched side by side (0: auto) and, with `int8`, the
+    linear layers as int8 ones (a CPU only: `devices.quantize_for_cpu_inference`), with the
+    search settings of `DecodeOptions` (beam, alpha, max_len_a, max_len_b, nbest, batch_tokens,
+    ...).
     `constraint_for(loaded model)`, if given, makes the search constraint's factory for that
     model (`tree_search.tree_constraints`: parsing). This is what `attn decode` and `attn parse`
     run; from Python:
