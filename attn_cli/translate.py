@@ -347,14 +347,20 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
     settings = dataclasses.replace(settings, workers=workers, worker_threads=worker_threads,
                                    batch_tokens=settings.batch_tokens or
                                    search_batch_tokens(chosen))
-    translator = Translator(loaded, settings, chosen, inference_dtype(dtype, chosen), warn=warn,
-                            constraint_for=constraint_for(loaded) if constraint_for else None,
-                            ensemble=ensemble, int8=int8)
-    # What is loaded now lives as long as the process: out of the garbage collector's sight.
-    # Python's full collections otherwise walk every object of torch and the model, ~90 ms
-    # each, once or more per 1000-line file (measured: 4% of a greedy decode).
+    return Translator(loaded, settings, chosen, inference_dtype(dtype, chosen), warn=warn,
+                      constraint_for=constraint_for(loaded) if constraint_for else None,
+                      ensemble=ensemble, int8=int8)
+
+
+def keep_loaded() -> None:
+    """For a process that decodes with what it has loaded until it ends (`attn decode`,
+    `parse`, `serve`): every object alive now out of the garbage collector's full collections,
+    which otherwise walk all of torch's and the model's objects, ~90 ms each, once or more per
+    1000-line file (measured: 4% of a greedy decode); then the collector on (`cli.main` starts
+    these commands without it). Not done by `load_translator` itself: a program loading and
+    dropping models would keep their cyclic garbage."""
     gc.freeze()
-    return translator
+    gc.enable()
 
 
 def run(translator: Translator, stream, out, name: str = "<stdin>", render=None,

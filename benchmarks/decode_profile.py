@@ -37,11 +37,12 @@ def main() -> None:
     parser.add_argument("--write", help="Write the outputs here.")
     args = parser.parse_args()
 
-    from attn_cli.translate import load_translator
+    from attn_cli.translate import keep_loaded, load_translator
 
     torch.set_num_threads(1)
     translator = load_translator(args.model, beam=args.beam, nbest=args.nbest, device="cpu",
                                  threads=1, workers=1, int8=args.int8)
+    keep_loaded()  # as `attn decode` does
     lines = _harness.read_bundled("test_2016_flickr.en.gz").splitlines()[:args.lines]
     translator.translate(lines[:20])  # oneDNN's kernels made, caches touched
     best, outputs = float("inf"), []

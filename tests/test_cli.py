@@ -141,3 +141,49 @@ def test_choices_are_listed_in_help_and_checked():
                        "--type")
 
 
+
+
+def test_the_garbage_collector_is_off_only_while_a_decoding_command_loads(trained, tmp_path):
+    """`main` starts commands with the collector off (start-up makes only objects that live
+    on); `decode` turns it on, with what it loaded frozen out of full collections, before
+    searching; any other command at once; and it is on again after `main`, for a program that
+    calls it."""
+    model, _ = trained
+    text = tmp_path / "a.txt"
+    text.write_text("a b c\n", encoding="utf-8")
+
+    def states(argv: list[str]) -> str:
+        code = f"""
+import gc, io, sys
+from attn_cli import scoring, translate
+from attn_cli.cli import main
+seen = {{}}
+load, window, scores = (translate.load_translator, translate.Translator.translate_window,
+                        scoring.text_scores)
+def loading(*args, **kwargs):
+    seen["loading"] = gc.isenabled()
+    return load(*args, **kwargs)
+def searching(self, *args):
+    seen["searching"] = (gc.isenabled(), gc.get_freeze_count() > 0)
+    return window(self, *args)
+def scoring_text(*args):
+    seen["scoring"] = gc.isenabled()
+    return scores(*args)
+translate.load_translator, translate.Translator.translate_window = loading, searching
+scoring.text_scores = scoring_text
+sys.stdin = io.TextIOWrapper(io.BytesIO(b"a b\\n"))
+try:
+    main({argv!r})
+except SystemExit as exit_:
+    assert not exit_.code, exit_.code
+seen["after"] = gc.isenabled()
+print(seen, file=sys.stderr)
+"""
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        return result.stderr.strip().splitlines()[-1]
+
+    assert states(["decode", "-m", str(model), "--beam", "1"]) == str(
+        {"loading": False, "searching": (True, True), "after": True})
+    assert states(["score", "--ref", str(text), str(text)]) == str(
+        {"scoring": True, "after": True})
