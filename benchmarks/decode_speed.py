@@ -134,7 +134,7 @@ def main() -> None:
         report["startup"] = up = startup(args.model, args.startup_repeats, extra)
         log(f"start-up: one-sentence decode {up['one_sentence_decode_s']:.2f}s, `import torch` "
             f"{up['import_torch_s']:.2f}s (medians of {args.startup_repeats}): "
-            f"+{up['overhead_s']:.2f}s (target <= +{STARTUP_TARGET_S}s: "
+            f"{up['overhead_s']:+.2f}s (target <= +{STARTUP_TARGET_S}s: "
             f"{'PASS' if up['pass'] else 'FAIL'})")
     with tempfile.TemporaryDirectory() as ct2_dir:
         if reference is not None:
