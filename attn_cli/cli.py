@@ -740,7 +740,8 @@ def parse(
     """Constituency parsing with the same model (paper §6.3): one tokenized sentence per line in,
     one well-formed bracketed tree per line out, always (an empty line for an empty line).
     `attn parse linearize` makes the training pairs from a treebank."""
-    if context.invoked_subcommand is not None:
+    if context.invoked_subcommand is not None:  # linearize: text work, no model kept loaded
+        gc.enable()
         return
     if model_path is None:
         raise AttnError("parse needs -m PARSER.st (or the subcommand `linearize`)")

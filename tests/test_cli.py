@@ -143,6 +143,7 @@ def test_choices_are_listed_in_help_and_checked():
 
 
 
+@pytest.mark.slow
 def test_the_garbage_collector_is_off_only_while_a_decoding_command_loads(trained, tmp_path):
     """`main` starts commands with the collector off (start-up makes only objects that live
     on); `decode` turns it on, with what it loaded frozen out of full collections, before
@@ -155,9 +156,14 @@ def test_the_garbage_collector_is_off_only_while_a_decoding_command_loads(traine
     def states(argv: list[str]) -> str:
         code = f"""
 import gc, io, sys
-from attn_cli import scoring, translate
+from attn_cli import parsing, scoring, translate
 from attn_cli.cli import main
 seen = {{}}
+pairs = parsing.write_training_pairs
+def linearizing(*args, **kwargs):
+    seen["linearizing"] = gc.isenabled()
+    return pairs(*args, **kwargs)
+parsing.write_training_pairs = linearizing
 load, window, scores = (translate.load_translator, translate.Translator.translate_window,
                         scoring.text_scores)
 def loading(*args, **kwargs):
@@ -187,3 +193,7 @@ print(seen, file=sys.stderr)
         {"loading": False, "searching": (True, True), "after": True})
     assert states(["score", "--ref", str(text), str(text)]) == str(
         {"scoring": True, "after": True})
+    treebank = tmp_path / "tiny.mrg"
+    treebank.write_text("(TOP (S (NP (DT a) (NN cat)) (VP (VBZ sleeps))))\n", encoding="utf-8")
+    assert states(["parse", "linearize", str(treebank), "-o", str(tmp_path / "pairs")]) == str(
+        {"linearizing": True, "after": True})
