@@ -108,9 +108,9 @@ PrecisionOption = Annotated[Precision, typer.Option(
     "--dtype", help="auto (bf16 on CUDA, fp32 on a CPU, where the output then does not depend "
     "on the batching), fp32, bf16 (faster on CPUs with native bf16) or fp16 (CUDA).")]
 Int8Option = Annotated[bool, typer.Option(
-    "--int8", help="int8 linear layers (torch's dynamic quantization, CPU only): 1.4-1.5x "
-    "faster; outputs then depend on the batching, and BLEU moves a little. Never the "
-    "default.")]
+    "--int8", help="int8 linear layers (torch's dynamic quantization, CPU only): ~1.4x "
+    "faster on the demo model; outputs then depend on the batching, and BLEU moves a little. "
+    "Never the default.")]
 ThreadsOption = Annotated[int, typer.Option("--threads", min=0,
                                             help="CPU threads (0: all cores).")]
 WorkersOption = Annotated[int, typer.Option(
