@@ -41,6 +41,12 @@ CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)\.st$")
 INIT_PROVENANCE = ("init", "init_sha256")
 
 
+def init_provenance(model: LoadedModel) -> dict[str, str]:
+    """What a model file (a checkpoint, an average) records of the file its run was seeded
+    from by `train --init`: {} for a run trained from scratch."""
+    return {key: model.metadata[key] for key in INIT_PROVENANCE if key in model.metadata}
+
+
 def checkpoint_path(run_dir: Path, step: int) -> Path:
     return run_dir / f"checkpoint-{step}.st"
 
@@ -318,10 +324,9 @@ def write_average(output: Path, first: LoadedModel, mean: dict[str, torch.Tensor
     model = first.model
     model.load_state_dict(mean)
     tgt_vocab = None if first.tgt_vocab is first.src_vocab else first.tgt_vocab
-    seeded_from = {key: first.metadata[key] for key in INIT_PROVENANCE if key in first.metadata}
     save_model(output, model, first.src_vocab, tgt_vocab,
                averaged_from=json.dumps(sources),
-               preset=first.metadata.get("preset", ""), **seeded_from)
+               preset=first.metadata.get("preset", ""), **init_provenance(first))
 
 
 class RunLock:

@@ -35,7 +35,7 @@ import torch
 
 from . import checkpoints, resume
 from .batching import Batch, BatchPlan, StepStream, batch_plan, collate, token_batches
-from .checkpoints import INIT_PROVENANCE, ResumePoint, metric_key
+from .checkpoints import ResumePoint, metric_key
 from .config import Architecture, ModelConfig, Recipe, TrainOptions, get_preset, parse_interval
 from .data import ParallelData
 from .devices import autocast, resolve_dtype, warn_if_bf16_is_emulated
@@ -269,7 +269,9 @@ def _model_and_optimizer(options: TrainOptions, processes: Processes, recipe: Re
         model = loaded.model.train()
         optimizer = adam(model)
         point = resume.restore(state, model, optimizer, scaler, options, dtype, processes)
-        return model, optimizer, scaler, point, _init_provenance(loaded)
+        # the model file it was seeded from, as its checkpoint recorded it (--init may have
+        # moved since; it is not read again)
+        return model, optimizer, scaler, point, checkpoints.init_provenance(loaded)
     if options.init is not None:
         model, provenance = _init_model(options.init, recipe, data, processes.device)
     else:
@@ -312,13 +314,6 @@ def _check_init_vocabulary(init: Path, loaded: LoadedModel, data: ParallelData) 
                             f"file {init} ({side} vocabulary sha256 {str(binarized_with)[:12]} "
                             f"vs {vocabulary.checksum[:12]}): binarize it with the model's "
                             f"(`attn binarize --vocab {init} ...`)")
-
-
-def _init_provenance(checkpoint: LoadedModel) -> dict[str, str]:
-    """What a resumed run's checkpoints record of the model file it was seeded from: what its
-    checkpoint recorded (the run's --init may have moved since; it is not read again)."""
-    return {key: checkpoint.metadata[key] for key in INIT_PROVENANCE
-            if key in checkpoint.metadata}
 
 
 def check_init_preset(init: Path, preset_name: str) -> None:
