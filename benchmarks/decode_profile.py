@@ -4,6 +4,8 @@ thread (one search worker), under torch.profiler, with the search's own parts la
     python benchmarks/decode_profile.py -m model.st [--beam 4] [--int8] [--lines 1000] [--top 25]
     python benchmarks/decode_profile.py -m model.st --write before.txt   # then, changed:
     python benchmarks/decode_profile.py -m model.st --check before.txt --no-profile
+    python benchmarks/decode_profile.py -m parser.st --parse --src dev.src   # beam 21, α 0.3,
+                                                     # --constrain: the parse recipe's search
 
 Prints on stderr the wall time of a plain run (no profiler) and the profiled table of the ops
 that took the most time (self CPU time), and on stdout one JSON object: the plain seconds, the
@@ -26,9 +28,15 @@ import torch
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-m", "--model", required=True)
-    parser.add_argument("--beam", type=int, default=4)
+    parser.add_argument("--beam", type=int, help="Default: 4, with --parse 21.")
     parser.add_argument("--nbest", type=int, default=1)
     parser.add_argument("--int8", action="store_true", help="attn decode --int8's model.")
+    parser.add_argument("--parse", action="store_true",
+                        help="A parser model, searched as `attn parse --beam 21 --alpha 0.3 "
+                        "--constrain` (the recipe's search; --beam and --alpha still apply): "
+                        "the outputs are the hypotheses' pieces, not repaired trees.")
+    parser.add_argument("--alpha", type=float, help="Length penalty (default: the command's).")
+    parser.add_argument("--src", help="Input lines (default: the bundled test2016 English).")
     parser.add_argument("--lines", type=int, default=1000)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=3, help="Plain runs; the best is shown.")
@@ -40,10 +48,25 @@ def main() -> None:
     from attn_cli.translate import keep_loaded, load_translator
 
     torch.set_num_threads(1)
-    translator = load_translator(args.model, beam=args.beam, nbest=args.nbest, device="cpu",
-                                 threads=1, workers=1, int8=args.int8)
+    options = {} if args.alpha is None else {"alpha": args.alpha}
+    if args.parse:
+        from attn_cli.formats import PARSING
+        from attn_cli.tree_search import tree_constraints
+
+        beam = args.beam or PARSING.beam
+        options = {"alpha": PARSING.alpha, "max_len_a": PARSING.max_len_a,
+                   "max_len_b": PARSING.max_len_b, **options,
+                   "constraint_for": tree_constraints()}
+    else:
+        beam = args.beam or 4
+    translator = load_translator(args.model, beam=beam, nbest=args.nbest, device="cpu",
+                                 threads=1, workers=1, int8=args.int8, **options)
     keep_loaded()  # as `attn decode` does
-    lines = _harness.read_bundled("test_2016_flickr.en.gz").splitlines()[:args.lines]
+    if args.src:
+        with open(args.src, encoding="utf-8") as source:
+            lines = source.read().splitlines()[:args.lines]
+    else:
+        lines = _harness.read_bundled("test_2016_flickr.en.gz").splitlines()[:args.lines]
     translator.translate(lines[:20])  # oneDNN's kernels made, caches touched
     best, outputs = float("inf"), []
     for _ in range(args.repeats):
@@ -52,8 +75,8 @@ def main() -> None:
         best = min(best, time.perf_counter() - started)
     tokens = sum(len(line.split()) for line in outputs)
     print(f"plain: {best:.3f} s for {len(lines)} lines (best of {args.repeats}), beam "
-          f"{args.beam}, 1 thread", file=sys.stderr)
-    report = {"seconds": best, "lines": len(lines), "beam": args.beam}
+          f"{beam}, 1 thread", file=sys.stderr)
+    report = {"seconds": best, "lines": len(lines), "beam": beam}
     if args.write:
         with open(args.write, "w", encoding="utf-8") as out:
             out.writelines(line + "\n" for line in outputs)
