@@ -49,8 +49,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     options = {} if args.alpha is None else {"alpha": args.alpha}
+    from attn_cli.formats import PARSING, TRANSLATION
+
     if args.parse:
-        from attn_cli.formats import PARSING
         from attn_cli.tree_search import tree_constraints
 
         beam = args.beam or PARSING.beam
@@ -58,7 +59,7 @@ def main() -> None:
                    "max_len_b": PARSING.max_len_b, **options,
                    "constraint_for": tree_constraints()}
     else:
-        beam = args.beam or 4
+        beam = args.beam or TRANSLATION.beam
     translator = load_translator(args.model, beam=beam, nbest=args.nbest, device="cpu",
                                  threads=1, workers=1, int8=args.int8, **options)
     keep_loaded()  # as `attn decode` does
