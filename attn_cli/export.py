@@ -27,7 +27,16 @@ from pathlib import Path
 
 from .errors import AttnError
 from .files import cannot_write
-from .formats import MAX_SOURCE_TOKENS, SHARED_EMBEDDING, SOURCE_EMBEDDING, TRANSLATION
+from .formats import (
+    BOS_ID,
+    EOS_ID,
+    MAX_SOURCE_TOKENS,
+    PAD_ID,
+    SHARED_EMBEDDING,
+    SOURCE_EMBEDDING,
+    TRANSLATION,
+    UNK_ID,
+)
 
 
 def _ctranslate2():
@@ -49,10 +58,11 @@ def transformer_spec_of(loaded, add_source_eos: bool = True):
         raise AttnError(f"CTranslate2 needs d_k = d_v = d_model / heads; this model has d_k "
                         f"{config.d_k}, d_v {config.d_v}, d_model {config.d_model}, "
                         f"{config.heads} heads")
-    options = [f"{name} {getattr(config, name)!r}" for name, paper in (
-        ("activation", "relu"), ("attention_bias", False), ("output_bias", False))
-        if getattr(config, name) != paper] + (
-        [] if (config.pad_id, config.unk_id, config.bos_id, config.eos_id) == (0, 1, 2, 3)
+    options = [f"{name} {getattr(config, name)!r}"
+               for name, paper in config.IMPORTED_OPTIONS.items()
+               if getattr(config, name) != paper] + (
+        [] if (config.pad_id, config.unk_id, config.bos_id, config.eos_id)
+        == (PAD_ID, UNK_ID, BOS_ID, EOS_ID)
         else ["special ids other than <pad> 0, <unk> 1, <s> 2, </s> 3"])
     if options:  # an imported model's options: `export hf` writes them back
         raise AttnError(f"export ct2 writes the paper's architecture; this model has "

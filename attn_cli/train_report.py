@@ -15,7 +15,7 @@ from .config import ModelConfig, Preset, Recipe, TrainOptions, get_preset
 from .data import ParallelData
 from .errors import AttnError
 from .model import Transformer
-from .modelfile import read_model_header
+from .training import init_config
 
 
 class TrainingDisplay:
@@ -76,11 +76,7 @@ def dry_run_report(options: TrainOptions, vocab_size: int | None, world_size: in
     recipe = options.recipe()
     plan = batch_plan(recipe.batch_tokens, options.max_tokens, world_size)
     if options.init is not None:
-        try:
-            _, config = read_model_header(options.init)
-        except AttnError as error:
-            raise AttnError(f"--init: {error}") from None
-        config = dataclasses.replace(config, dropout=recipe.dropout)
+        config = dataclasses.replace(init_config(options.init), dropout=recipe.dropout)
         return describe_model(preset, config, recipe, plan, init=options.init)
     if options.data is not None:
         data = ParallelData(options.data)

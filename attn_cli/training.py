@@ -316,14 +316,19 @@ def _check_init_vocabulary(init: Path, loaded: LoadedModel, data: ParallelData) 
                             f"(`attn binarize --vocab {init} ...`)")
 
 
+def init_config(init: Path) -> ModelConfig:
+    """The network of the model file `init` (its header only: no weights read)."""
+    try:
+        return read_model_header(init)[1]
+    except AttnError as error:
+        raise AttnError(f"--init: {error}") from None
+
+
 def check_init_preset(init: Path, preset_name: str) -> None:
     """A --preset given beside --init must describe the model file's architecture (its dropout
     aside, a recipe option): the file's architecture is the one trained, and a contradicting
     preset is a mistake to say, not an override to drop silently."""
-    try:
-        _, config = read_model_header(init)
-    except AttnError as error:
-        raise AttnError(f"--init: {error}") from None
+    config = init_config(init)
     preset = get_preset(preset_name)
     differ = [field.name for field in dataclasses.fields(Architecture)
               if field.name != "dropout"

@@ -41,8 +41,7 @@ def tree_constraint_for(tgt_vocab, eos_id: int, terminals: str, score_words: str
     sentences (raw lines): with placeholder terminals, as many placeholders as words; with word
     terminals, exactly the input's pieces, in order, scored as `score_words` says (see
     `TreeConstraint`)."""
-    processor = tgt_vocab.processor
-    pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
+    pieces = [tgt_vocab.piece(i) for i in range(len(tgt_vocab))]
     placeholder = PLACEHOLDER if terminals == "placeholders" else None
     template = TreeConstraint.for_pieces(pieces, eos_id, [], placeholder=placeholder,
                                          score_words=score_words)

@@ -138,8 +138,6 @@ def normalize_tags(tree: Tree) -> Tree:
 # ------------------------------------------------------------------------------ linearization
 
 
-
-
 def linearize(tree: Tree, terminals: str = "placeholders") -> str:
     """Depth-first brackets with labelled closings, the root TOP left out. Terminals are
     placeholders, as in the paper's setup: (S (NP XX XX )NP (VP XX )VP XX )S; or, with
