@@ -351,7 +351,8 @@ def train(
     if (valid_metric != ValidMetric.loss or valid_ref or keep_best or patience) and valid is None:
         raise AttnError("--valid-metric, --valid-ref, --keep-best and --patience need --valid "
                         "data")
-    from . import train_report, training
+    from .train import loop as training
+    from .train import report as train_report
 
     if init is not None:
         # A --preset typed beside --init must match the model's architecture; its default
@@ -523,8 +524,8 @@ def serve(
     `attn decode`'s. --beam, --alpha, --max-len-a/b and --stop are the defaults a request may
     override. Logs one line per request on stderr; SIGTERM finishes open requests, then
     exits 0."""
-    from .server import MAX_LEN_B, ServeOptions, parse_langs
-    from .server import serve as run_server
+    from .serve.server import MAX_LEN_B, ServeOptions, parse_langs
+    from .serve.server import serve as run_server
 
     if queue_lines < max_lines:
         raise AttnError(f"--queue-lines ({queue_lines}) must hold a request of --max-lines "
@@ -623,7 +624,7 @@ def score(
     if trees:
         if ref is None or len(files) > 1:
             raise AttnError("score --trees takes --ref GOLD and one file of trees (or stdin)")
-        from .evalb import parse_length_edges, report_lines
+        from .parse.evalb import parse_length_edges, report_lines
 
         _write_lines(report_lines(ref, files[0] if files else "-", sentence_level, max_errors,
                                   _utf8_policy(strict), log, as_json,
@@ -745,9 +746,9 @@ def parse(
         return
     if model_path is None:
         raise AttnError("parse needs -m PARSER.st (or the subcommand `linearize`)")
-    from .parsing import tree_line
+    from .parse.constraint import tree_constraints
+    from .parse.parsing import tree_line
     from .translate import load_translator
-    from .tree_search import tree_constraints
 
     started = time.perf_counter()
     translator = load_translator(model_path, beam, device=device.value, dtype=dtype.value,
@@ -780,7 +781,7 @@ def parse_linearize(
 ) -> None:
     """Treebank files → training pairs: words (PREFIX.src) and linearized trees (PREFIX.tgt),
     after the standard clean-up (no -NONE-, no function tags)."""
-    from .parsing import write_training_pairs
+    from .parse.parsing import write_training_pairs
 
     written, skipped, extra = write_training_pairs(treebank, prefix, terminals.value, subtrees)
     log(f"parse linearize: {written} trees to {prefix}.src and {prefix}.tgt, their brackets "
@@ -849,7 +850,7 @@ def export_ct2(
 ) -> None:
     """A CTranslate2 model of an attn model (pip install 'attn[ct2]'): greedy decoding there
     gives `attn decode --beam 1`'s output."""
-    from .export import export_ct2 as export
+    from .interop.ct2 import export_ct2 as export
 
     export(model_path, output, quantization.value, force=force)
     log(f"export: wrote {output} (CTranslate2, {quantization.value}; source EOS added by "
@@ -865,7 +866,7 @@ def export_hf(
 ) -> None:
     """A Hugging Face `transformers` Marian model of an attn model (pip install 'attn[hf]'):
     greedy `generate` gives `attn decode --beam 1`'s output."""
-    from .hf import export_hf as export
+    from .interop.hf import export_hf as export
 
     export(model_path, output, force=force)
     log(f"export: wrote {output} (transformers MarianMTModel, with its tokenizer and a model "
@@ -886,7 +887,7 @@ def import_hf(
 ) -> None:
     """An attn model file from a Hugging Face Marian model (pip install 'attn[hf]'), for
     decode, score, ensembles and `train --init`. Reads local files only."""
-    from .hf import import_hf as convert
+    from .interop.hf import import_hf as convert
 
     convert(directory, output)
     log(f"import: wrote {output}")

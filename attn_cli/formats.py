@@ -76,15 +76,15 @@ COMPOUND_SPLIT = "compound-split"
 # sacreBLEU's tokenizers (`attn score --tokenize`)
 TOKENIZERS = ("13a", "intl", "none", "zh", "ja-mecab", "ko-mecab", "char", "flores101",
               "flores200")
-# What a parse tree's leaves are in a model's output (trees.py)
+# What a parse tree's leaves are in a model's output (parse/trees.py)
 TERMINALS = ("placeholders", "words")
 
 # ------------------------------------------------------------------------------- run directory
 
 METRICS_FILE = "metrics.jsonl"
-# What `attn train --valid-metric` scores a run by (validation.py), and which way is better.
+# What `attn train --valid-metric` scores a run by (train/validation.py), and which way is better.
 VALID_METRICS = {"loss": "lower", "bleu": "higher", "chrf": "higher", "f1": "higher"}
-# `train --grad-sync`: the precision of the gradients' all-reduce (distributed.py)
+# `train --grad-sync`: the precision of the gradients' all-reduce (train/distributed.py)
 GRAD_SYNC = ("auto", "fp32", "bf16")
 
 # ------------------------------------------------------------------ vocabulary: fixed special ids

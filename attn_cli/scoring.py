@@ -4,7 +4,7 @@ force-decoding with a model.
 Text metrics import sacrebleu only (no torch): scoring a file is instant. Force-decoding reports,
 per line, the log-probability the model gives the target (natural log, EOS included) and its
 token count; the corpus perplexity exp(-Σ log p / Σ tokens) is the number training validation
-reports (padding excluded, EOS included, no label smoothing). Trees are scored by evalb.py.
+reports (padding excluded, EOS included, no label smoothing). Trees are scored by parse/evalb.py.
 """
 
 from __future__ import annotations

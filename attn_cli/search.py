@@ -104,7 +104,7 @@ class SearchModel(Protocol):
 
 class Constraint(Protocol):
     """Which tokens each hypothesis may take next (`Unconstrained`, below, or parsing's
-    `attn_cli.tree_search.TreeConstraint`). Its state holds a (B', K) row per live hypothesis:
+    `attn_cli.parse.constraint.TreeConstraint`). Its state holds a (B', K) row per live hypothesis:
     B' sentences still searching, K beams."""
 
     eos_column: int  # where EOS is among the candidates' columns

@@ -2,8 +2,8 @@
 line on stderr, how to run a checkout's `attn`, and reading the summary `attn decode` and `attn
 parse` write with --stats-json.
 
-Importing it puts this checkout first on sys.path, so a script measures this checkout's
-attn_cli whatever is installed.
+The scripts run from the checkout's root as modules (`python -m benchmarks.decode_speed ...`), so
+the checkout's own attn_cli comes first on the path, whatever is installed.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_DATA = REPO_ROOT / "examples" / "multi30k" / "data"  # Multi30k en-de, gzipped
 SHARED = REPO_ROOT.parent / "shared"  # data and peers beside the checkout (the PTB sample)
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 
 def log(message: str = "") -> None:

@@ -19,10 +19,10 @@ What it measures, on the Multi30k training pair (29,000 sentence pairs, English-
 
 Run it from anywhere (the default data are the gzipped copies bundled in examples/multi30k/data):
 
-    python benchmarks/binarize_speed.py
-    python benchmarks/binarize_speed.py --data-dir ../shared/data/multi30k --threads 2 --repeats 5
-    python benchmarks/binarize_speed.py --vocab spm.model      # skip learning a vocabulary
-    python benchmarks/binarize_speed.py --profile               # also cProfile one 1x binarize
+    python -m benchmarks.binarize_speed
+    python -m benchmarks.binarize_speed --data-dir ../shared/data/multi30k --threads 2 --repeats 5
+    python -m benchmarks.binarize_speed --vocab spm.model      # skip learning a vocabulary
+    python -m benchmarks.binarize_speed --profile               # also cProfile one 1x binarize
 
 The human-readable report goes to stderr; the numbers, as one JSON object, to stdout. The exit
 status is 0 whether or not the targets are met (read "speed.pass" / "memory.pass"), 2 on bad input.
@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import BUNDLED_DATA, log
+from benchmarks._harness import BUNDLED_DATA, REPO_ROOT, log
 
 DEFAULT_DATA_DIR = BUNDLED_DATA
 SIDES = ("en", "de")  # source, target
@@ -113,7 +113,7 @@ def learn_vocabulary(paths: dict[str, Path], size: int, model_path: Path) -> flo
     command = [sys.executable, "-m", "attn_cli", "vocab", *(str(p) for p in paths.values()),
                "-o", str(model_path), "--size", str(size)]
     started = time.perf_counter()
-    finished = subprocess.run(command, capture_output=True, text=True)
+    finished = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
     if finished.returncode != 0:
         raise SystemExit(f"error: `attn vocab` failed:\n{finished.stderr}")
     return time.perf_counter() - started
@@ -219,10 +219,10 @@ def child(src: str, tgt: str, model_path: str, out: str, threads: int) -> None:
 
 
 def run_child(paths: dict[str, Path], model_path: Path, threads: int, out: Path) -> dict:
-    command = [sys.executable, str(Path(__file__).resolve()), "--child",
+    command = [sys.executable, "-m", "benchmarks.binarize_speed", "--child",
                str(paths[SIDES[0]]), str(paths[SIDES[1]]), str(model_path), str(out),
                str(threads)]
-    finished = subprocess.run(command, capture_output=True, text=True)
+    finished = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
     if finished.returncode != 0:
         raise SystemExit(f"error: the --child run failed:\n{finished.stderr}")
     result = json.loads(finished.stdout.strip().splitlines()[-1])

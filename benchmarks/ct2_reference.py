@@ -1,12 +1,12 @@
 """CTranslate2 as a decoding-speed reference: the same attn model, converted weight for weight.
 
 `convert` writes a CTranslate2 model directory from an attn model file (`attn export ct2`,
-attn_cli/export.py); `translate` decodes lines with
+attn_cli/interop/ct2.py); `translate` decodes lines with
 it as `attn decode` would (same SentencePiece model, same source EOS, same token-budget batches,
 pad and BOS banned, output limit |x| + 50) and returns the outputs, the seconds and the output
 tokens (EOS included). Run on its own, it times both thread layouts on the Multi30k test set:
 
-    python benchmarks/ct2_reference.py -m model.st [--beam 4] [--threads 2] [--lines 1000]
+    python -m benchmarks.ct2_reference -m model.st [--beam 4] [--threads 2] [--lines 1000]
 
 Report on stderr, one JSON object on stdout. Differences from attn's search that remain: CTranslate2
 normalises a finished hypothesis by |Y|^lp (|Y| without the EOS), not GNMT's ((5 + |Y|) / 6)^α,
@@ -26,10 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import BUNDLED_DATA
-
 from attn_cli.batching import token_budget_batches
-from attn_cli.export import export_ct2
 from attn_cli.formats import (
     BATCH_TOKENS,
     BOS_ID,
@@ -39,7 +36,9 @@ from attn_cli.formats import (
     SPECIAL_PIECES,
     TRANSLATION,
 )
+from attn_cli.interop.ct2 import export_ct2
 from attn_cli.vocab import Vocabulary
+from benchmarks._harness import BUNDLED_DATA
 
 TEST_SET = BUNDLED_DATA / "test_2016_flickr.en.gz"
 

@@ -1,10 +1,10 @@
 """Where `attn decode`'s time goes, op by op: the test set searched in one process on one torch
 thread (one search worker), under torch.profiler, with the search's own parts labelled.
 
-    python benchmarks/decode_profile.py -m model.st [--beam 4] [--int8] [--lines 1000] [--top 25]
-    python benchmarks/decode_profile.py -m model.st --write before.txt   # then, changed:
-    python benchmarks/decode_profile.py -m model.st --check before.txt --no-profile
-    python benchmarks/decode_profile.py -m parser.st --parse --src dev.src   # beam 21, α 0.3,
+    python -m benchmarks.decode_profile -m model.st [--beam 4] [--int8] [--lines 1000] [--top 25]
+    python -m benchmarks.decode_profile -m model.st --write before.txt   # then, changed:
+    python -m benchmarks.decode_profile -m model.st --check before.txt --no-profile
+    python -m benchmarks.decode_profile -m parser.st --parse --src dev.src   # beam 21, α 0.3,
                                                      # --constrain: the parse recipe's search
 
 Prints on stderr the wall time of a plain run (no profiler) and the profiled table of the ops
@@ -21,8 +21,9 @@ import json
 import sys
 import time
 
-import _harness  # noqa: F401  (this checkout first on the path)
 import torch
+
+from benchmarks import _harness
 
 
 def main() -> None:
@@ -52,7 +53,7 @@ def main() -> None:
     from attn_cli.formats import PARSING, TRANSLATION
 
     if args.parse:
-        from attn_cli.tree_search import tree_constraints
+        from attn_cli.parse.constraint import tree_constraints
 
         beam = args.beam or PARSING.beam
         options = {"alpha": PARSING.alpha, "max_len_a": PARSING.max_len_a,

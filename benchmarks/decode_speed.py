@@ -16,9 +16,9 @@ bundled), it runs the real command in a subprocess and reports:
   `python -c "import torch"`, alternated after an untimed pair, medians (target: at most
   0.3 s more than torch's import).
 
-    python benchmarks/decode_speed.py -m model.st
-    python benchmarks/decode_speed.py -m model.st --beams 4 --extra "--dtype bf16"
-    python benchmarks/decode_speed.py -m model.st --int8
+    python -m benchmarks.decode_speed -m model.st
+    python -m benchmarks.decode_speed -m model.st --beams 4 --extra "--dtype bf16"
+    python -m benchmarks.decode_speed -m model.st --int8
 
 `--int8`: attn with `--int8` against CTranslate2's `int8` compute type, and attn's float32 BLEU
 of the same run beside (target: within 0.3).
@@ -39,10 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import attn_command, decode_stats, log, read_bundled
-from machine import cpu_info
-
 from attn_cli.formats import TRANSLATION
+from benchmarks._harness import attn_command, decode_stats, log, read_bundled
+from benchmarks.machine import cpu_info
 
 CT2_RATIO_TARGET = 1.0  # attn / CTranslate2 output tokens/s
 STARTUP_TARGET_S = 0.3  # one-sentence decode wall - `import torch` wall

@@ -9,7 +9,7 @@ runs alternately with it, on the same model and input: the ratio of the two is w
 another machine, and the trees must be byte-identical (a faster search that changes a tree is a
 different search). Scoring against gold trees is `attn score --trees`'s job, not this script's.
 
-    python benchmarks/parse_speed.py -m examples/wsj-parse/work/parser.st \
+    python -m benchmarks.parse_speed -m examples/wsj-parse/work/parser.st \
         --src examples/wsj-parse/work/dev.src --baseline HEAD~3
 
 Report on stderr (with the CPU model and ISA), one JSON object on stdout.
@@ -26,8 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _harness import REPO_ROOT, decode_stats, log, supports
-from machine import cpu_info
+from benchmarks._harness import REPO_ROOT, decode_stats, log, supports
+from benchmarks.machine import cpu_info
 
 
 def parse_once(code_root: Path, model: str, src: str, options: list[str]) -> tuple[float, bytes]:

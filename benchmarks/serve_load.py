@@ -15,8 +15,8 @@ On the Multi30k test set (1000 lines, bundled) it:
 Targets (issue 28): at 16 clients >= 0.8x the CLI's file throughput; one short sentence answered
 in <= 50 ms + its search time.
 
-    python benchmarks/serve_load.py -m model.st
-    python benchmarks/serve_load.py -m model.st --beam 1 --clients 1,16 --soak 10000
+    python -m benchmarks.serve_load -m model.st
+    python -m benchmarks.serve_load -m model.st --beam 1 --clients 1,16 --soak 10000
 
 Report on stderr (with the CPU model and ISA), one JSON object on stdout. The clients run in this
 process, on the same cores as the server (as a local editor or script would).
@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-from _harness import attn_command, decode_stats, log, read_bundled
+from benchmarks._harness import attn_command, decode_stats, log, read_bundled
 
 RATIO_TARGET = 0.8  # server sentences/s at 16 clients / CLI sentences/s on the whole file
 OVERHEAD_TARGET_MS = 50.0  # one short sentence: latency - its search time
@@ -237,7 +237,7 @@ def search_time_alone(model: str, beam: int, sentence: str, repeats: int = 20) -
 
 
 def main() -> None:
-    from machine import cpu_info
+    from benchmarks.machine import cpu_info
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-m", "--model", required=True)

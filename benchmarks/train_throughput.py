@@ -52,9 +52,9 @@ another run (or another machine) counts. In one run, on the bundled Multi30k en-
 Targets (PASS/FAIL on stderr): `onmt_ratio` = attn's median target tokens/s over its rounds /
 ONMT's median over its rounds >= 1.5; `gemm_fraction` (attn's median rate) >= 0.60.
 
-    python benchmarks/train_throughput.py                                # attn + matmul, ~2 min
-    python benchmarks/train_throughput.py --onmt-venv /tmp/.venv-onmt    # + ONMT, ~6 min, 2 cores
-    python benchmarks/train_throughput.py --steps 300 --rounds 3 --batch-tokens 3000
+    python -m benchmarks.train_throughput                                # attn + matmul, ~2 min
+    python -m benchmarks.train_throughput --onmt-venv /tmp/.venv-onmt    # + ONMT, ~6 min, 2 cores
+    python -m benchmarks.train_throughput --steps 300 --rounds 3 --batch-tokens 3000
 
 Report on stderr, one JSON object on stdout.
 """
@@ -74,8 +74,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import BUNDLED_DATA, SHARED, log
-from machine import cpu_info  # benchmarks/machine.py
+from benchmarks._harness import BUNDLED_DATA, SHARED, log
+from benchmarks.machine import cpu_info  # benchmarks/machine.py
 
 DATA_DIR = BUNDLED_DATA
 PEERS_DIR = SHARED / "peers"  # README.md and onmt-small.yaml

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from attn_cli import checkpoints, training
+from attn_cli import checkpoints
 from attn_cli.checkpoints import (
     list_checkpoints,
     prune_checkpoints,
@@ -20,6 +20,7 @@ from attn_cli.config import PRESETS
 from attn_cli.formats import METRICS_FILE
 from attn_cli.model import Transformer
 from attn_cli.modelfile import load_model
+from attn_cli.train import loop as training
 from attn_cli.vocab import Vocabulary
 
 from .conftest import assert_clean_error, run_attn

@@ -156,7 +156,8 @@ def test_the_garbage_collector_is_off_only_while_a_decoding_command_loads(traine
     def states(argv: list[str]) -> str:
         code = f"""
 import gc, io, sys
-from attn_cli import parsing, scoring, translate
+from attn_cli.parse import parsing
+from attn_cli import scoring, translate
 from attn_cli.cli import main
 seen = {{}}
 pairs = parsing.write_training_pairs

@@ -15,7 +15,7 @@ from attn_cli.cli import app
 from attn_cli.config import PRESETS, ModelConfig, TrainOptions
 from attn_cli.errors import AttnError
 from attn_cli.model import Transformer
-from attn_cli.train_report import parameter_groups
+from attn_cli.train.report import parameter_groups
 
 # -------------------------------------------------------------------------------------- presets
 

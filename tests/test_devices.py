@@ -111,8 +111,8 @@ def test_bf16_on_a_gpu_without_tensor_cores_is_warned_about(monkeypatch, capsys)
 
 
 def test_more_processes_than_gpus_or_srun_without_torchrun_is_one_error(monkeypatch):
-    from attn_cli.distributed import check_process_layout
     from attn_cli.errors import AttnError
+    from attn_cli.train.distributed import check_process_layout
 
     fake_gpus(monkeypatch, 2, (9, 0))
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
@@ -194,9 +194,10 @@ def test_scoring_on_a_gpu_gives_the_cpus_log_probabilities(dtype, tolerance, tmp
 def test_a_training_step_on_a_gpu_makes_no_host_sync(data_files):
     """The CPU's count of data-dependent ops (test_training.py), on CUDA itself: torch raises
     at any synchronizing call inside a step's forward and backward."""
-    from attn_cli import distributed, training
     from attn_cli.batching import MicroBatchStream, process_share
     from attn_cli.data import ParallelData
+    from attn_cli.train import distributed
+    from attn_cli.train import loop as training
 
     data = ParallelData(data_files[0])
     device = torch.device("cuda", 0)
@@ -232,7 +233,8 @@ def test_bf16_decoding_on_a_gpu_runs_past_the_position_table(tmp_path):
 
 @pytest.mark.gpu
 def test_fused_adam_on_a_gpu_is_saved_from_the_host_and_restored_on_the_device():
-    from attn_cli import checkpoints, training
+    from attn_cli import checkpoints
+    from attn_cli.train import loop as training
 
     device = torch.device("cuda", 0)
     model = Transformer(PRESETS["tiny"].model_config(20, dropout=0.0)).to(device)

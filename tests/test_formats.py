@@ -1,7 +1,7 @@
 """The file formats, pinned by committed files (tests/fixtures, written by make_fixtures.py): a
 model, its training state, a data file and attention maps, and what decode and score gave with
 them. A change that makes attn read or write one of them otherwise without a new version in
-formats.py fails here; after a version moves, `python tests/fixtures/make_fixtures.py` writes
+formats.py fails here; after a version moves, `python -m tests.fixtures.make_fixtures` writes
 the new fixtures (and old files are refused, each with one line naming its version)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from attn_cli import checkpoints, training
+from attn_cli import checkpoints
 from attn_cli.data import ParallelData, binarize
 from attn_cli.formats import (
     ATTENTION_FORMAT,
@@ -25,6 +25,7 @@ from attn_cli.formats import (
     STATE_FORMAT,
 )
 from attn_cli.modelfile import load_model, save_model
+from attn_cli.train import loop as training
 from attn_cli.vocab import Vocabulary
 
 from .conftest import assert_clean_error, run_attn
@@ -33,7 +34,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 GOLDEN = json.loads((FIXTURES / "golden.json").read_text())
 CHECKPOINT = FIXTURES / GOLDEN["checkpoint"]
 STATE = checkpoints.state_path(CHECKPOINT.parent, int(CHECKPOINT.stem.split("-")[1]))
-REGENERATE = "python tests/fixtures/make_fixtures.py"
+REGENERATE = "python -m tests.fixtures.make_fixtures"
 
 
 def layout(path: Path) -> tuple[dict, dict]:

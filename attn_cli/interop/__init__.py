@@ -1,0 +1,1 @@
+"""Converters to and from other toolkits: CTranslate2 and Hugging Face transformers (Marian)."""

@@ -1,0 +1,1 @@
+"""`attn serve`: the HTTP server and the queue that batches requests together."""

@@ -1,0 +1,224 @@
+"""Requests searched in shared batches: what lets `attn serve`'s throughput grow with its clients.
+
+Every translation request becomes a `Job`; its non-empty lines wait in one queue, and search
+workers (threads, one torch thread each on a CPU, as `attn decode --workers`) take lines from it
+into token-budget batches. Lines of different requests share a batch when they ask for the same
+search settings; a worker that finds the queue idle waits a few milliseconds (the gathering
+window) for the requests that arrive together, and idle workers split what is waiting between
+them rather than one taking it all. A line's output depends only on the line and its settings
+(the search is independent of the batching, as in `attn decode`), so which lines shared a batch
+never shows in an answer.
+
+The queue holds at most `capacity` lines: a request that does not fit is refused (`QueueFull`,
+the server's 503) instead of memory growing. A job whose client went away is cancelled: its
+lines still waiting leave the queue unsearched.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..search import Hypothesis
+from ..translate import Translator
+
+
+class QueueFull(Exception):
+    """The queue cannot take a request's lines now."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request: its lines, the translator with its settings, and what came of them.
+    `outputs[i]`: line i's hypotheses with their detokenized texts, filled by the workers;
+    `done(job)` is called once, from a worker thread (or at submission when nothing waits),
+    when every line has its output or the search failed (`error`)."""
+
+    lines: list[str]
+    translator: Translator
+    done: Callable[[Job], None]
+    name: str = "request"  # how warnings name it
+    outputs: list = field(default_factory=list)  # (hypotheses, texts) per line
+    error: BaseException | None = None
+    cancelled: bool = False
+    remaining: int = 0
+    arrived: float = 0.0
+
+    @property
+    def settings(self):
+        """Lines of jobs with equal settings may share a batch."""
+        return self.translator.options
+
+
+@dataclass(eq=False)
+class _Line:
+    job: Job
+    index: int  # the line's place in its job
+    ids: list[int]  # source ids, EOS included
+
+
+EMPTY = [Hypothesis([], 0.0, 0.0)]
+
+
+class RequestQueue:
+    """The queue and its search workers. `submit` from any thread; `close` lets the workers
+    finish what is queued, then stops them."""
+
+    def __init__(self, workers: int = 1, worker_threads: int = 1, capacity: int = 4096,
+                 window_s: float = 0.003):
+        self.workers, self.worker_threads = workers, worker_threads
+        self.capacity, self.window_s = capacity, window_s
+        self._lines: deque[_Line] = deque()
+        self._changed = threading.Condition()
+        self._searching = 0  # workers searching a batch now
+        self._closing = False
+        self._threads = [threading.Thread(target=self._work, name=f"attn-serve-{n}", daemon=True)
+                         for n in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def waiting(self) -> int:
+        """Lines waiting for a worker."""
+        return len(self._lines)
+
+    def submit(self, job: Job) -> None:
+        """Queue a job's non-empty lines (an empty line's output is an empty line, at once).
+        Raises QueueFull when they do not fit."""
+        empty = (EMPTY, job.translator.detokenize(EMPTY))
+        job.outputs = [None if line.strip() else empty for line in job.lines]
+        todo = [index for index, output in enumerate(job.outputs) if output is None]
+        job.remaining, job.arrived = len(todo), time.perf_counter()
+        if not todo:
+            job.done(job)
+            return
+        with self._changed:
+            if self._closing:
+                raise QueueFull("the server is stopping")
+            if len(self._lines) + len(todo) > self.capacity:
+                raise QueueFull(f"{len(self._lines)} lines are waiting (at most "
+                                f"{self.capacity})")
+        # Encoded outside the lock (SentencePiece: microseconds a line), each line alone so that
+        # a truncation warning names the request's own line number. Longest first, so that a
+        # long request's consecutive lines make batches of like lengths, as `attn decode` sorts
+        # its buffer.
+        lines = [_Line(job, index, job.translator.encode([job.lines[index]], index + 1,
+                                                         job.name)[0]) for index in todo]
+        lines.sort(key=lambda line: -len(line.ids))
+        with self._changed:
+            self._lines.extend(lines)
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Search what is queued, then stop the workers."""
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
+        for thread in self._threads:
+            thread.join()
+
+    # ---------------------------------------------------------------------------------- workers
+
+    def _work(self) -> None:
+        torch.set_num_threads(self.worker_threads)
+        last = (0, 0.0)  # this worker's last batch: lines, seconds
+        while True:
+            batch = self._take(*last)
+            if batch is None:
+                return
+            started = time.perf_counter()
+            self._search(batch)
+            last = (len(batch), time.perf_counter() - started)
+
+    def _take(self, last_lines: int, last_seconds: float) -> list[_Line] | None:
+        """The next batch: lines with the first waiting line's settings, within its token
+        budget and this worker's share of them; None once closing and nothing is left.
+
+        How long to wait for more: an idle server, the gathering window from the first line's
+        arrival; a busy one, also until as many lines wait as this worker's last batch had (its
+        clients, answered, are sending their next lines), for at most a quarter of that batch's
+        search time. Without that wait, clients that come back a millisecond apart split into
+        ever smaller batches, and a small batch costs nearly as much as a full one."""
+        with self._changed:
+            while True:
+                self._drop_cancelled()
+                if self._lines or self._closing:
+                    break
+                self._changed.wait()
+            if not self._lines:
+                return None
+            arrived = self._lines[0].job.arrived
+            window = arrived + self.window_s
+            refill = time.perf_counter() + last_seconds / 4
+            while not self._closing:
+                now = time.perf_counter()
+                if now < window:
+                    self._changed.wait(window - now)
+                elif now < refill and len(self._lines) < last_lines:
+                    self._changed.wait(refill - now)
+                else:
+                    break
+            self._drop_cancelled()
+            if not self._lines:
+                return None if self._closing else []
+            settings = self._lines[0].job.settings
+            rows = 1 if settings.sample else settings.beam
+            budget = max(1, settings.batch_tokens // rows)  # source tokens, padding included
+            alike = sum(1 for line in self._lines if line.job.settings == settings)
+            # Idle workers split what waits: two batches side by side beat one twice as big.
+            share = math.ceil(alike / max(1, self.workers - self._searching))
+            batch, longest, kept = [], 0, deque()
+            for line in self._lines:
+                fits = max(longest, len(line.ids)) * (len(batch) + 1) <= budget
+                if line.job.settings == settings and len(batch) < share and (fits or not batch):
+                    batch.append(line)
+                    longest = max(longest, len(line.ids))
+                else:
+                    kept.append(line)
+            self._lines = kept
+            self._searching += 1
+            return batch
+
+    def _drop_cancelled(self) -> None:
+        if any(line.job.cancelled for line in self._lines):
+            self._lines = deque(line for line in self._lines if not line.job.cancelled)
+
+    def _search(self, batch: list[_Line]) -> None:
+        """Search a batch and hand each finished job back; a failure fails the batch's jobs
+        (their other lines leave the queue) and the worker goes on."""
+        if not batch:
+            return
+        translator = batch[0].job.translator
+        finished, failure = [], None
+        try:
+            found = translator.search([line.ids for line in batch], None,
+                                      [line.index + 1 for line in batch])
+            texts = [translator.detokenize(hypotheses) for hypotheses in found]
+        except Exception as error:  # the jobs answer it; the server goes on
+            failure = error
+        with self._changed:
+            self._searching -= 1
+            if failure is not None:
+                for job in {line.job: None for line in batch}:
+                    if job.error is None:
+                        job.error, job.cancelled = failure, True
+                        finished.append(job)
+            else:
+                for line, hypotheses, words in zip(batch, found, texts):
+                    job = line.job
+                    job.outputs[line.index] = (hypotheses, words)
+                    job.remaining -= 1
+                    if job.remaining == 0 and job.error is None:
+                        finished.append(job)
+            self._changed.notify_all()
+        for job in finished:
+            try:
+                job.done(job)
+            except Exception as error:  # one answer lost, not the worker
+                translator.warn(f"serve: {job.name}: could not hand back its answer: {error}")

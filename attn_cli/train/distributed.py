@@ -1,0 +1,233 @@
+"""The processes of a training job: one, or torchrun's (NCCL on GPUs, gloo on CPUs), and what
+they must agree on.
+
+Every collective here is issued by every process in the same order, so no process can wait for
+another that went elsewhere; a process that cannot start (a missing file, a different data file)
+tells the others instead of leaving them waiting until --dist-timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from ..devices import pick_device
+from ..errors import AttnError
+from ..formats import GRAD_SYNC
+
+
+@dataclass(frozen=True)
+class Processes:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def log(self, message: str) -> None:
+        """A line of `attn train`'s on stderr, from the main process only."""
+        if self.is_main:
+            print(f"train: {message}", file=sys.stderr, flush=True)
+
+
+def start_processes(device_option: str, timeout_minutes: float) -> Processes:
+    """One process, or one of torchrun's (WORLD_SIZE, RANK, LOCAL_RANK in the environment):
+    NCCL on CUDA, gloo on CPU."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    check_process_layout(device_option)
+    device = pick_device(device_option, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # float32 matmuls on tensor cores (TF32: 10-bit mantissa inputs, float32 sums) on
+        # Ampere and later, as mixed-precision trainers do; bf16/fp16 runs are unaffected.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    else:
+        # The cores this process may run on (not the machine's) shared out among a node's
+        # processes. A single process keeps OMP_NUM_THREADS when it is set (torch has read it);
+        # under torchrun it is not the user's word: torchrun sets it to 1 unless told otherwise.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if world_size > 1 or "OMP_NUM_THREADS" not in os.environ:
+            cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                     else os.cpu_count() or 1)
+            torch.set_num_threads(max(1, cores // local_world))
+    if world_size > 1:
+        import torch.distributed as dist
+
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes),
+                                **({"device_id": device} if device.type == "cuda" else {}))
+        print(f"train: rank {rank}/{world_size} on {socket.gethostname()} pid {os.getpid()}, "
+              f"{device} ({backend}), {torch.get_num_threads()} threads",
+              file=sys.stderr, flush=True)
+    return Processes(rank, world_size, device)
+
+
+def check_process_layout(device_option: str) -> None:
+    """The mistakes that would otherwise go wrong silently or with a traceback from NCCL: more
+    processes on a node than GPUs (two would share one), and tasks started by `srun` without
+    torchrun (each would be a whole job of one process, all writing one run directory)."""
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
+    if "WORLD_SIZE" not in os.environ and tasks > 1:
+        raise AttnError(f"srun started {tasks} tasks of attn train, which makes {tasks} separate "
+                        "one-process runs: start one task per node that runs `torchrun "
+                        "--nnodes N --nproc-per-node GPUS ... -m attn_cli train ...` "
+                        "(srun --ntasks-per-node 1)")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if device_option == "cpu" or local_world == 1 or not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if local_world > gpus:
+        raise AttnError(f"{local_world} processes on this node (torchrun --nproc-per-node) but "
+                        f"torch sees {gpus} GPU(s): start at most one process per GPU, or "
+                        "--device cpu")
+
+
+def gradient_sync_dtype(option: str, processes: Processes) -> str:
+    """The precision DDP all-reduces gradients in. auto: bf16 when the job spans nodes on GPUs,
+    where the network is the bottleneck (base sends 252 MB of float32 gradients per step, big
+    857 MB: tens of ms behind a 100 Gb/s link, against ~10 ms of compute), fp32 within a node.
+    bf16 rounds each process's gradient before the sum (8 bits of mantissa); Adam's update
+    and the parameters stay float32."""
+    if option not in GRAD_SYNC:
+        raise AttnError(f"--grad-sync must be one of {', '.join(GRAD_SYNC)}, not {option!r}")
+    if option == "bf16" and processes.device.type != "cuda":
+        raise AttnError("--grad-sync bf16 needs CUDA (NCCL); gloo sums float32")
+    if option != "auto":
+        return option
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", processes.world_size))
+    spans_nodes = processes.world_size > local_world
+    return "bf16" if spans_nodes and processes.device.type == "cuda" else "fp32"
+
+
+def collective_failed(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed: a peer gone, or a timeout. (NCCL's
+    watchdog aborts the process instead; gloo raises a RuntimeError naming itself.)"""
+    import torch.distributed as dist
+
+    return isinstance(error, getattr(dist, "DistError", ())) or "gloo" in str(error)
+
+
+def stop_processes(processes: Processes, finished: bool = False) -> None:
+    """The process group torn down. After a run that `finished` normally every process first
+    waits for the others (rank 0 saves last): gloo torn down on one rank while a peer still
+    uses the group aborted it now and then ("terminate called without an active exception",
+    SIGABRT at exit). After an error, no wait: a peer may be gone."""
+    if processes.distributed:
+        import torch.distributed as dist
+
+        if finished:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: list[float] | torch.Tensor, processes: Processes) -> list[float]:
+    """The values summed over the processes, read to the host (the one wait for the device)."""
+    tensor = torch.as_tensor(values, dtype=torch.float64).to(processes.device)
+    if processes.distributed:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def gather_to_main(value, processes: Processes) -> list | None:
+    """Every process's `value` (any picklable object), in rank order, on the main process
+    (None on the others)."""
+    if not processes.distributed:
+        return [value]
+    import torch.distributed as dist
+
+    gathered = [None] * processes.world_size if processes.is_main else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered
+
+
+def from_main(value, processes: Processes):
+    """The main process's `value` (any picklable object), on every process."""
+    if not processes.distributed:
+        return value
+    import torch.distributed as dist
+
+    sent = [value]
+    dist.broadcast_object_list(sent, src=0)
+    return sent[0]
+
+
+def same_on_every_rank(processes: Processes, prepare: Callable, facts: Callable):
+    """`prepare()` on every rank, then each rank's `facts(prepared)` compared with rank 0's: a
+    rank that failed or differs stops every rank with an error naming it (a rank that stopped
+    alone would leave the others waiting for it until --dist-timeout)."""
+    if not processes.distributed:
+        return prepare()
+    import torch.distributed as dist
+
+    prepared, report = None, {"host": socket.gethostname()}
+    try:
+        prepared = prepare()
+        report["facts"] = facts(prepared)
+    except AttnError as error:
+        report["error"] = str(error)
+    except Exception as error:  # noqa: BLE001 (out of memory, a busy GPU, a file system error:
+        # told to every rank, or the others would wait for this one until --dist-timeout)
+        said = " ".join(str(error).split())  # one line (CUDA's messages run over several)
+        report["error"] = f"{type(error).__name__}: {said[:400]}"
+    reports: list = [None] * processes.world_size
+    dist.all_gather_object(reports, report)
+    problem = rank_disagreement(reports)
+    if problem:
+        raise AttnError(problem)
+    return prepared
+
+
+def rank_disagreement(reports: list[dict]) -> str | None:
+    """The first rank that failed, or whose facts differ from rank 0's, and how (None: they all
+    agree). `reports[r]`: rank r's {"host", and "facts" or "error"}."""
+    for rank, report in enumerate(reports):
+        if "error" in report:
+            return f"rank {rank} (on {report['host']}): {report['error']}"
+    reference = reports[0]["facts"]
+    for rank, report in enumerate(reports[1:], start=1):
+        for name, theirs in reference.items():
+            mine = report["facts"].get(name)
+            if mine == theirs:
+                continue
+            if isinstance(theirs, dict) and isinstance(mine, dict):
+                key = next(key for key in sorted(set(theirs) | set(mine))
+                           if theirs.get(key) != mine.get(key))
+                what = f"{name}: {key} is {mine.get(key)!r} where rank 0 has {theirs.get(key)!r}"
+            elif isinstance(theirs, str) or isinstance(mine, str):
+                what = (f"its {name} differs from rank 0's (sha256 {str(mine)[:16]} against "
+                        f"{str(theirs)[:16]})")
+            else:
+                what = f"{name}: {mine!r} where rank 0 has {theirs!r}"
+            return (f"rank {rank} (on {report['host']}) does not match rank 0: {what}; every "
+                    "process must run the same command on the same files")
+    return None
+
+
+def file_sha256(path: Path) -> str:
+    """A file's checksum: how processes on different nodes check they read the same data."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,142 @@
+"""Validation by the metric a run is judged on, and the best checkpoints by it.
+
+At each save `attn train --valid-metric bleu|chrf|f1` decodes the validation sources with the
+model being trained (greedy unless `--valid-beam`), and scores the output against the
+references: sacreBLEU's corpus BLEU or chrF for translation, EVALB's F1 (COLLINS.prm, as
+`attn score --trees`) for parsing. `loss` needs no decoding (the label-smoothed validation loss,
+which training computes anyway). The references are the validation file's own target side,
+detokenized, unless a file is given (`--valid-ref`: raw reference text, or gold trees).
+
+The scores go to metrics.jsonl, where `checkpoints.scored_steps` reads them back for
+`--keep-best` and `attn average --best`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..batching import pad_sequences, token_budget_batches
+from ..data import ParallelData
+from ..devices import search_batch_tokens
+from ..errors import AttnError
+from ..files import display_name, read_raw_lines
+from ..formats import EOS_ID, PARSING, TRANSLATION, VALID_METRICS
+from ..parse.constraint import model_terminals, tree_constraint_for
+from ..parse.evalb import EvalbMismatch, evalb_tree, trees_f1
+from ..parse.trees import delinearize, read_treebank
+from ..search import beam_search
+
+
+@dataclass
+class Validator:
+    """The validation set made ready to decode and score: one per run."""
+
+    metric: str
+    beam: int
+    sources: list[list[int]]  # token ids, EOS included
+    words: list[list[str]]  # the source sentences' words (for trees)
+    references: list  # reference texts, or gold trees (EvalbTree) for f1
+    tgt_vocab: object
+    batch_tokens: int | None  # None: devices.search_batch_tokens
+
+    @classmethod
+    def build(cls, metric: str, data: ParallelData, reference_path: str | None = None,
+              beam: int = 1, batch_tokens: int | None = None) -> "Validator":
+        if metric not in VALID_METRICS or metric == "loss":
+            raise AttnError(f"no validation decoding for the metric {metric!r}")
+        tgt_vocab = data.tgt_vocab or data.src_vocab
+        src_ids = [data.pair(i)[0].tolist() for i in range(len(data))]
+        sources = [ids + [EOS_ID] for ids in src_ids]
+        words = [text.split() for text in data.src_vocab.decode(src_ids)]
+        if reference_path is None:
+            texts = tgt_vocab.decode([data.pair(i)[1].tolist() for i in range(len(data))])
+        else:
+            texts = None
+        references = (_gold_trees(texts, words, reference_path, len(data)) if metric == "f1"
+                      else texts if texts is not None
+                      else _reference_lines(reference_path, len(data)))
+        return cls(metric, beam, sources, words, references, tgt_vocab, batch_tokens)
+
+    def hypotheses(self, model: torch.nn.Module) -> list[str]:
+        """The model's output for every validation source, detokenized, in order."""
+        return self.texts(self.search(model))
+
+    def search(self, model: torch.nn.Module, rank: int = 0,
+               world_size: int = 1) -> dict[int, list[int]]:
+        """The output tokens of process `rank`'s share of the validation sources (every
+        world_size-th batch; all of them by default), by source index. Each batch is searched
+        alone, so the shares put together are the output of one process."""
+        settings = PARSING if self.metric == "f1" else TRANSLATION
+        constraint_for = self._tree_constraint(model) if self.metric == "f1" else None
+        device = next(model.parameters()).device
+        learned = model.config.positions == "learned"
+        output: dict[int, list[int]] = {}
+        was_training = model.training
+        model.eval()
+        try:
+            lengths = [len(ids) for ids in self.sources]
+            budget = self.batch_tokens or search_batch_tokens(device)
+            batches = token_budget_batches(lengths, max(1, budget // self.beam))
+            for batch in batches[rank::world_size]:
+                src = pad_sequences([self.sources[i] for i in batch],
+                                    model.config.pad_id).to(device)
+                constraint = constraint_for([" ".join(self.words[i]) for i in batch]) \
+                    if constraint_for else None
+                found = beam_search(model, src, beam=self.beam, alpha=settings.alpha,
+                                    max_len_a=settings.max_len_a, max_len_b=settings.max_len_b,
+                                    longest=model.config.max_positions - 1 if learned else None,
+                                    constraint=constraint)
+                for index, hypotheses in zip(batch, found):
+                    output[index] = hypotheses[0].tokens
+        finally:
+            model.train(was_training)
+        return output
+
+    def texts(self, output: dict[int, list[int]]) -> list[str]:
+        """Every source's output (all the processes' shares), detokenized, in order."""
+        return self.tgt_vocab.decode([output[index] for index in range(len(self.sources))])
+
+    def _tree_constraint(self, model: torch.nn.Module):
+        """Parsers are validated as the recipes parse, `attn parse --constrain`: well-formed
+        trees over exactly the sentence's words. It also bounds each output by its words, where
+        a half-trained parser's free search runs on to the length limit (|x| + 300)."""
+        return tree_constraint_for(self.tgt_vocab, model.config.eos_id,
+                                   model_terminals(self.tgt_vocab))
+
+    def score(self, model: torch.nn.Module) -> float:
+        return self.score_texts(self.hypotheses(model))
+
+    def score_texts(self, texts: list[str]) -> float:
+        if self.metric == "f1":
+            return trees_f1(texts, self.words, self.references)
+        import sacrebleu  # only when scoring: its import is slow
+
+        scorer = sacrebleu.corpus_bleu if self.metric == "bleu" else sacrebleu.corpus_chrf
+        return float(scorer(texts, [self.references]).score)
+
+
+def _reference_lines(path: str, expected: int) -> list[str]:
+    lines = [raw.decode("utf-8", errors="strict").rstrip("\r\n") for raw in read_raw_lines(path)]
+    if len(lines) != expected:
+        raise AttnError(f"{display_name(path)} has {len(lines)} lines, the validation data "
+                        f"{expected} pairs: --valid-ref must hold one reference per pair")
+    return lines
+
+
+def _gold_trees(sequences: list[str] | None, words: list[list[str]], path: str | None,
+                expected: int) -> list:
+    """Gold trees in EVALB's view: from a treebank file, or else the validation targets
+    (linearized trees) rebuilt over the source words."""
+    if path is None:
+        trees = [delinearize(sequence, sentence) for sequence, sentence in zip(sequences, words)]
+    else:
+        trees = list(read_treebank([path]))
+        if len(trees) != expected:
+            raise AttnError(f"{display_name(path)} has {len(trees)} trees, the validation data "
+                            f"{expected} pairs: --valid-ref must hold one gold tree per pair")
+    try:
+        return [evalb_tree(tree) for tree in trees]
+    except EvalbMismatch as error:
+        raise AttnError(f"{display_name(path or 'the validation targets')}: {error}") from None

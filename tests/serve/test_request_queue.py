@@ -1,0 +1,102 @@
+"""The queue behind `attn serve` (attn_cli/serve/request_queue.py): lines of different requests
+share batches without changing any output, settings never mix in a batch, the capacity is a hard
+bound, cancelled requests cost nothing, and a failing search fails its requests only."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from attn_cli.serve.request_queue import Job, QueueFull, RequestQueue
+from attn_cli.translate import load_translator
+
+from ..conftest import bundled_lines
+
+
+@pytest.fixture(scope="module")
+def translator(trained):
+    model, _ = trained
+    return load_translator(model, 4, threads=1)
+
+
+def submit_and_wait(queue: RequestQueue, jobs: list[Job]) -> None:
+    finished = threading.Semaphore(0)
+    for job in jobs:
+        job.done = lambda job: finished.release()
+        queue.submit(job)
+    for _ in jobs:
+        assert finished.acquire(timeout=120)
+
+
+def texts(job: Job) -> list[str]:
+    return [words[0] for _, words in job.outputs]
+
+
+def test_requests_sharing_batches_get_what_each_alone_gets(translator):
+    lines = bundled_lines("val.en", 24)
+    requests = [lines[0:5], ["", lines[5], "  "], lines[6:7], lines[7:24]]
+    settings = [{}, {"beam": 1}, {}, {"beam": 1, "nbest": 1}]
+    jobs = [Job(text, translator.with_options(**change), None, name=f"request {n}")
+            for n, (text, change) in enumerate(zip(requests, settings))]
+    queue = RequestQueue(workers=2, worker_threads=1, capacity=100, window_s=0.01)
+    try:
+        submit_and_wait(queue, jobs)
+    finally:
+        queue.close()
+    for job, text, change in zip(jobs, requests, settings):
+        assert job.error is None
+        assert texts(job) == translator.with_options(**change).translate(text)
+    assert texts(jobs[1])[0] == texts(jobs[1])[2] == ""
+
+
+def test_a_batch_holds_one_setting_within_the_budget_and_skips_cancelled_requests(translator):
+    lines = bundled_lines("val.en", 12)
+    queue = RequestQueue(workers=0, capacity=100)  # no worker: the test takes the batches
+    greedy = Job(lines[:4], translator.with_options(beam=1), lambda job: None)
+    beam = Job(lines[4:8], translator, lambda job: None)
+    gone = Job(lines[8:12], translator.with_options(beam=1), lambda job: None)
+    for job in (greedy, beam, gone):
+        queue.submit(job)
+    assert queue.waiting == 12
+    gone.cancelled = True
+    batch = queue._take(0, 0.0)
+    assert {line.job for line in batch} == {greedy} and len(batch) == 4
+    queue._search(batch)
+    assert queue.waiting == 4  # the cancelled request's lines left unsearched
+    assert texts(greedy) == translator.with_options(beam=1).translate(lines[:4])
+    small = translator.with_options(batch_tokens=4 * 30)  # 30 source tokens a batch at beam 4
+    tight = Job(lines[:4], small, lambda job: None)
+    queue._take(0, 0.0)  # the beam-4 request's lines
+    queue.submit(tight)
+    batch = queue._take(0, 0.0)
+    assert max(len(line.ids) for line in batch) * len(batch) <= 30 or len(batch) == 1
+
+
+def test_the_capacity_is_a_hard_bound(translator):
+    queue = RequestQueue(workers=0, capacity=5)
+    queue.submit(Job(["a", "b", "c"], translator, lambda job: None))
+    with pytest.raises(QueueFull, match="3 lines are waiting"):
+        queue.submit(Job(["d", "e", "f"], translator, lambda job: None))
+    done = []
+    queue.submit(Job(["", ""], translator, done.append))  # empty lines: answered, not queued
+    assert len(done) == 1 and queue.waiting == 3
+
+
+def test_a_failing_search_fails_its_requests_and_the_workers_go_on(translator):
+    broken = translator.with_options(beam=2)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("out of something")
+
+    broken.search = fail
+    lines = bundled_lines("val.en", 3)
+    failing, fine = Job(lines, broken, None), Job(lines, translator, None)
+    queue = RequestQueue(workers=1, capacity=100)
+    try:
+        submit_and_wait(queue, [failing])
+        submit_and_wait(queue, [fine])
+    finally:
+        queue.close()
+    assert isinstance(failing.error, RuntimeError)
+    assert fine.error is None and texts(fine) == translator.translate(lines)

@@ -1,0 +1,329 @@
+"""`attn serve` (attn_cli/serve/server.py): the real server started on a free port and talked to
+over HTTP — its answers against `attn decode`'s, LibreTranslate's client library, bad requests, the
+limits, the API key, a full queue, a client that goes away, SIGTERM, and a load of 10,000
+requests. The server and load generator are benchmarks/serve_load.py's (the benchmark is tested
+by being used here)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import urllib.error
+
+import pytest
+
+from ..conftest import assert_clean_error, run_attn
+
+pytest.importorskip("uvicorn", reason="attn[serve] is not installed")
+from benchmarks.serve_load import Connection, Server, request, run_clients  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def serve_command(model, *options) -> list[str]:
+    return [sys.executable, "-m", "attn_cli", "serve", "-m", str(model), "--port", "0",
+            "--threads", "2", *map(str, options)]
+
+
+def call(server: Server, method: str, path: str, payload=None, headers=None):
+    return asyncio.run(request(server.host, server.port, method, path, payload, headers))
+
+
+def raw_call(server: Server, method: str, path: str, body: bytes, headers=None):
+    """(status, headers, JSON answer) of a request with exactly these body bytes."""
+    async def send():
+        connection = Connection(server.host, server.port)
+        try:
+            return await connection.send(method, path, body, headers)
+        finally:
+            await connection.close()
+    status, answer_headers, answer = asyncio.run(send())
+    return status, answer_headers, json.loads(answer) if answer else None
+
+
+def decode(model, lines: list[str], *options) -> list[str]:
+    result = run_attn("decode", "-m", model, *options, stdin="\n".join(lines) + "\n")
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split("\n")[:-1]
+
+
+@pytest.fixture(scope="module")
+def lines(corpus) -> list[str]:
+    return corpus["val.en"].read_text(encoding="utf-8").splitlines()[:40]
+
+
+@pytest.fixture(scope="module")
+def server(trained):
+    """One server for the tests that do not need special settings."""
+    model, _ = trained
+    process = Server(serve_command(model, "--langs", "en-de", "--max-lines", 64,
+                                  "--max-line-chars", 300, "--max-body", 20000))
+    process.wait_ready()
+    yield process
+    assert process.stop() == 0
+
+
+def test_answers_are_attn_decode_s_byte_for_byte(server, trained, lines):
+    """Line by line from 8 clients at once (so lines of different requests share batches) and
+    as one request, at beam 4 and greedy: exactly `attn decode`'s lines."""
+    model, _ = trained
+    for beam in (4, 1):
+        expected = decode(model, lines, "--beam", beam)
+        run = asyncio.run(run_clients(server.host, server.port, lines, 8, {"beam": beam}))
+        assert run["statuses"] == {200: len(lines)}
+        assert run["outputs"] == expected
+        status, answer = call(server, "POST", "/v1/translate", {"text": lines, "beam": beam})
+        assert status == 200 and answer["translations"] == expected
+
+
+def test_nbest_scores_and_sampling_match_decode(server, trained, lines):
+    model, _ = trained
+    status, answer = call(server, "POST", "/v1/translate", {"text": lines[:6], "nbest": 3})
+    assert status == 200
+    printed = [f"{index}\t{'-inf' if score is None else f'{score:.4f}'}\t{text}"
+               for index, (texts, scores) in enumerate(zip(answer["translations"],
+                                                           answer["scores"]))
+               for text, score in zip(texts, scores)]
+    assert printed == decode(model, lines[:6], "--nbest", 3)
+    status, answer = call(server, "POST", "/v1/translate",
+                          {"text": lines[:6], "sample": True, "seed": 7, "topk": 5})
+    assert status == 200
+    assert answer["translations"] == decode(model, lines[:6], "--sample", "--seed", 7,
+                                            "--topk", 5)
+    status, answer = call(server, "POST", "/v1/translate", {"text": lines[0], "scores": True})
+    assert status == 200 and isinstance(answer["translations"], str)
+    assert isinstance(answer["scores"], float)
+
+
+def test_empty_lines_stay_in_place(server, trained, lines):
+    model, _ = trained
+    text = ["", lines[0], "   ", lines[1], ""]
+    status, answer = call(server, "POST", "/v1/translate", {"text": text})
+    assert status == 200 and answer["translations"] == decode(model, text)
+    assert answer["translations"][0] == answer["translations"][2] == ""
+    assert call(server, "POST", "/v1/translate", {"text": []}) == (
+        200, {"model": answer["model"], "translations": []})
+
+
+def test_health_models_and_languages(server, trained):
+    model, _ = trained
+    status, health = call(server, "GET", "/health")
+    assert status == 200 and health["status"] == "ok" and health["model"] == model.stem
+    status, models = call(server, "GET", "/v1/models")
+    (described,) = models["data"]
+    assert status == 200 and described["id"] == model.stem and described["ready"]
+    assert described["source"] == "en" and described["target"] == "de"
+    assert described["defaults"]["beam"] == 4
+    status, languages = call(server, "GET", "/languages")
+    assert status == 200
+    assert languages[0] == {"code": "en", "name": "English", "targets": ["de"]}
+
+
+def test_libretranslate_client_library_works_unchanged(server, trained, lines):
+    """libretranslatepy, LibreTranslate's own Python client (form-encoded bodies)."""
+    libretranslatepy = pytest.importorskip("libretranslatepy")
+    model, _ = trained
+    client = libretranslatepy.LibreTranslateAPI(f"http://{server.host}:{server.port}")
+    expected = decode(model, lines[:3])
+    assert [client.translate(line, "en", "de") for line in lines[:3]] == expected
+    assert client.translate(f"{lines[0]}\n{lines[1]}", "auto", "de") == "\n".join(expected[:2])
+    assert {language["code"] for language in client.languages()} == {"en", "de"}
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        client.translate(lines[0], "fr", "de")
+    assert refused.value.code == 400
+    assert "translates en to de only" in json.loads(refused.value.read())["error"]
+    # JSON, as the browser extensions send it: a list of texts, alternatives
+    status, answer = call(server, "POST", "/translate",
+                          {"q": lines[:2], "source": "en", "target": "de", "format": "text",
+                           "alternatives": 2})
+    assert status == 200 and answer["translatedText"] == expected[:2]
+    assert [len(others) for others in answer["alternatives"]] == [2, 2]
+
+
+@pytest.mark.parametrize("path, body, headers, status, fragment", [
+    ("/v1/translate", b'{"text": [', None, 400, "not valid JSON"),
+    ("/v1/translate", b'{"text": ["\xff\xfe"]}', None, 400, "not valid UTF-8"),
+    ("/v1/translate", b'{"text": ["\\ud800"]}', None, 400, "unpaired surrogate"),
+    ("/v1/translate", b'["a"]', None, 422, "must be a JSON object"),
+    ("/v1/translate", b'{"txt": ["a"]}', None, 422, "unknown field 'txt'"),
+    ("/v1/translate", b'{"beam": 2}', None, 422, "needs a 'text' field"),
+    ("/v1/translate", b'{"text": [1]}', None, 422, "text[0] must be a string"),
+    ("/v1/translate", b'{"text": {"a": 1}}', None, 422, "must be a list of strings"),
+    ("/v1/translate", b'{"text": ["a\\nb"]}', None, 422, "line break"),
+    ("/v1/translate", b'{"text": ["a"], "beam": "4"}', None, 422, "beam must be an integer"),
+    ("/v1/translate", b'{"text": ["a"], "beam": true}', None, 422, "beam must be an integer"),
+    ("/v1/translate", b'{"text": ["a"], "beam": 0}', None, 422, "beam must be at least 1"),
+    ("/v1/translate", b'{"text": ["a"], "beam": 999}', None, 422, "--max-beam"),
+    ("/v1/translate", b'{"text": ["a"], "alpha": NaN}', None, 422, "finite"),
+    ("/v1/translate", b'{"text": ["a"], "stop": "soon"}', None, 422, "stop must be one of"),
+    ("/v1/translate", b'{"text": ["a"], "sample": true, "nbest": 2}', None, 422, "--nbest"),
+    ("/v1/translate", b'{"text": ["a"], "model": "other"}', None, 404, "unknown model 'other'"),
+    ("/v1/translate", json.dumps({"text": ["a"] * 65}).encode(), None, 422, "--max-lines"),
+    ("/v1/translate", json.dumps({"text": ["a" * 301]}).encode(), None, 422,
+     "--max-line-chars"),
+    ("/v1/translate", json.dumps({"text": ["a " * 11000]}).encode(), None, 413, "--max-body"),
+    ("/translate", b"source=en&target=de", {"Content-Type": "application/x-www-form-urlencoded"},
+     400, "missing q"),
+    ("/translate", b"q=%FF&source=en&target=de",
+     {"Content-Type": "application/x-www-form-urlencoded"}, 400, "not valid UTF-8"),
+    ("/translate", b'{"q": "a", "source": "en", "target": "de", "format": "html"}', None, 400,
+     "format 'html' is not supported"),
+    ("/nowhere", b"", None, 404, "no such endpoint"),
+])
+def test_bad_requests_get_a_4xx_with_a_clear_message(server, path, body, headers, status,
+                                                     fragment):
+    got, _, answer = raw_call(server, "POST", path, body, headers)
+    assert got == status, answer
+    assert fragment in answer["error"]
+
+
+def test_a_client_that_goes_away_disturbs_no_one(server, trained, lines):
+    """A client sends 64 lines and hangs up at once; the others are answered as ever, and the
+    log says the request was dropped (499)."""
+    model, _ = trained
+    body = json.dumps({"text": [lines[0]] * 64, "beam": 8}).encode()
+    with socket.create_connection((server.host, server.port)) as gone:
+        gone.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    run = asyncio.run(run_clients(server.host, server.port, lines[:8], 4))
+    assert run["outputs"] == decode(model, lines[:8])
+    deadline = time.monotonic() + 30
+    while not any(" 499 64 lines" in line for line in server.log):
+        assert time.monotonic() < deadline, server.log[-10:]
+        time.sleep(0.05)
+    assert call(server, "GET", "/health")[0] == 200
+
+
+def test_api_key(trained, lines):
+    """With ATTN_API_KEY set: 401 without it, 200 with it in any of the three places."""
+    libretranslatepy = pytest.importorskip("libretranslatepy")
+    model, _ = trained
+    with_key = {**os.environ, "ATTN_API_KEY": "s3cret"}
+    process = Server(serve_command(model, "--langs", "en-de"), env=with_key)
+    try:
+        process.wait_ready()
+        body = {"text": lines[:1]}
+        assert call(process, "POST", "/v1/translate", body)[0] == 401
+        assert call(process, "POST", "/v1/translate", body,
+                    {"Authorization": "Bearer wrong"})[0] == 401
+        assert call(process, "GET", "/v1/models")[0] == 401
+        assert call(process, "POST", "/v1/translate", body,
+                    {"Authorization": "Bearer s3cret"})[0] == 200
+        assert call(process, "POST", "/v1/translate", body, {"X-API-Key": "s3cret"})[0] == 200
+        assert call(process, "POST", "/v1/translate", {**body, "api_key": "s3cret"})[0] == 200
+        assert call(process, "GET", "/health")[0] == 200  # open: for load balancers
+        url = f"http://{process.host}:{process.port}"
+        expected = decode(model, lines[:1])[0]
+        assert libretranslatepy.LibreTranslateAPI(url, "s3cret").translate(
+            lines[0], "en", "de") == expected
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            libretranslatepy.LibreTranslateAPI(url).translate(lines[0], "en", "de")
+        assert refused.value.code == 401
+    finally:
+        assert process.stop() == 0
+
+
+def test_full_queue_answers_503_and_sigterm_finishes_open_requests(trained, lines):
+    """A queue of 4 lines and one slow worker: of 10 requests of 4 lines sent at once, those
+    that do not fit get 503 with Retry-After, the others their right answers. Then SIGTERM
+    while a request is being searched: it is answered in full, new connections are refused,
+    and the server exits 0 with nothing on stdout."""
+    model, _ = trained
+    slow = ["--beam", 12, "--max-len-b", 120]
+    process = Server(serve_command(model, "--queue-lines", 4, "--max-lines", 4, "--workers", 1,
+                                   "--threads", 1, *slow))
+    process.wait_ready()
+    text = lines[4:8]
+    expected = decode(model, text, *slow)
+
+    async def at_once(count):
+        connections = [Connection(process.host, process.port) for _ in range(count)]
+        body = json.dumps({"text": text}).encode()
+        try:
+            return await asyncio.gather(*(c.send("POST", "/v1/translate", body)
+                                          for c in connections))
+        finally:
+            for connection in connections:
+                await connection.close()
+
+    answers = asyncio.run(at_once(10))
+    statuses = [status for status, _, _ in answers]
+    assert 503 in statuses and 200 in statuses, statuses
+    for status, headers, answer in answers:
+        if status == 200:
+            assert json.loads(answer)["translations"] == expected
+        else:
+            assert headers["retry-after"] == "1"
+            assert "busy" in json.loads(answer)["error"]
+
+    async def stopped_midway():
+        connection = Connection(process.host, process.port)
+        answer = asyncio.ensure_future(connection.send(
+            "POST", "/v1/translate", json.dumps({"text": text}).encode()))
+        await asyncio.sleep(0.3)  # in the worker's hands by now
+        process.process.send_signal(signal.SIGTERM)
+        try:
+            return await answer
+        finally:
+            await connection.close()
+
+    status, _, answer = asyncio.run(stopped_midway())
+    assert status == 200 and json.loads(answer)["translations"] == expected
+    assert process.process.wait(60) == 0
+    assert process.process.stdout.read() == b""
+    with pytest.raises(OSError):
+        socket.create_connection((process.host, process.port), timeout=2).close()
+    time.sleep(0.2)  # the log reader's last lines
+    assert any("serve: stopped" in line for line in process.log), process.log[-5:]
+    assert not any("Traceback" in line for line in process.log)
+
+
+def test_ten_thousand_requests_from_64_clients_lose_none_and_memory_stays_flat(trained,
+                                                                                  lines):
+    model, _ = trained
+    process = Server(serve_command(model, "--beam", 1, "--max-len-b", 5))
+    try:
+        process.wait_ready()
+        short = [" ".join(line.split()[:4]) for line in lines]
+        warm = asyncio.run(run_clients(process.host, process.port, short * 50, 64))
+        assert warm["statuses"] == {200: len(short) * 50}
+        before = process.resident_mib()
+        requests = [short[i % len(short)] for i in range(10_000)]
+        run = asyncio.run(run_clients(process.host, process.port, requests, 64))
+        after = process.resident_mib()
+        assert run["statuses"] == {200: 10_000}
+        assert None not in run["outputs"]
+        assert after - before < 25, (before, after)  # MiB: no growth with the requests
+    finally:
+        assert process.stop() == 0
+
+
+# ------------------------------------------------------------------------- refusals at start
+
+
+def test_refuses_cleanly_without_the_extra(trained, monkeypatch):
+    model, _ = trained
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # `import uvicorn` raises ImportError
+    assert_clean_error(run_attn("serve", "-m", model), "pip install 'attn[serve]'")
+
+
+def test_refuses_bad_models_options_and_a_taken_port(trained, tmp_path):
+    model, _ = trained
+    assert_clean_error(run_attn("serve", "-m", tmp_path / "missing.st"), "missing.st")
+    empty = tmp_path / "empty.st"
+    empty.write_bytes(b"")
+    assert_clean_error(run_attn("serve", "-m", empty), "empty.st")
+    assert_clean_error(run_attn("serve", "-m", model, "--langs", "english"), "--langs")
+    assert_clean_error(run_attn("serve", "-m", model, "--max-lines", 10, "--queue-lines", 5),
+                       "--queue-lines")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert_clean_error(run_attn("serve", "-m", model, "--port", port),
+                           f"cannot listen on 127.0.0.1:{port}")

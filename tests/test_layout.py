@@ -1,0 +1,95 @@
+"""The package's layout, read from its imports: the shared core flat in attn_cli/, one sub-package
+per feature that only one command or extra enters (train/, parse/, serve/, interop/), and
+imports that run one way. A move that breaks the rule fails here, not in review."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from .conftest import REPO
+
+PACKAGE = REPO / "attn_cli"
+FEATURES = {"train", "parse", "serve", "interop"}
+# The one import between features: training validates a parser by F1 (EVALB, the tree
+# constraint on the search).
+ALLOWED_BETWEEN = {("train", "parse")}
+
+
+def imports(path: Path) -> list[tuple[str, int, bool]]:
+    """(absolute module imported, line, at module level) for every import of a file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno, id(node) in top_level) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            if node.module is None:
+                # `from . import a, b`: each name may be a module
+                found += [(f"{module}.{alias.name}", node.lineno, id(node) in top_level)
+                          for alias in node.names]
+            else:
+                found.append((module, node.lineno, id(node) in top_level))
+    return found
+
+
+def feature_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "attn_cli" and parts[1] in FEATURES else None
+
+
+def test_the_features_are_sub_packages():
+    for feature in FEATURES:
+        assert (PACKAGE / feature / "__init__.py").is_file(), feature
+    flat = {path.stem for path in PACKAGE.glob("*.py")}
+    assert not flat & {"training", "train_report", "resume", "validation", "distributed",
+                       "trees", "parsing", "tree_search", "evalb", "server", "request_queue",
+                       "export", "hf"}, "a feature's module is back in the flat core"
+
+
+def test_the_core_never_imports_a_feature_and_cli_only_lazily():
+    wrong = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        for module, line, at_top in imports(path):
+            if feature_of(module) is None:
+                continue
+            # cli.py enters each feature inside the command that needs it, so that `attn --help`
+            # and every other command import none of it.
+            if path.name != "cli.py" or at_top:
+                wrong.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_features_import_the_core_and_themselves_only():
+    wrong = []
+    for feature in sorted(FEATURES):
+        for path in sorted((PACKAGE / feature).rglob("*.py")):
+            for module, line, _ in imports(path):
+                other = feature_of(module)
+                if other in (None, feature) or (feature, other) in ALLOWED_BETWEEN:
+                    continue
+                wrong.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+            for module, line, _ in imports(path):
+                if module == "attn_cli.cli":
+                    wrong.append(f"{path.relative_to(REPO)}:{line} imports the command line")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_rule_reader_sees_relative_imports():
+    """The reader above resolves `from ..parse.trees import x` and `from . import y` as Python
+    does; without this the two tests above could pass on a file they misread."""
+    def modules(path: Path) -> set[str]:
+        return {module for module, _, _ in imports(path)}
+
+    assert {"attn_cli.parse.trees", "attn_cli.errors"} <= modules(PACKAGE / "train" /
+                                                                  "validation.py")
+    assert "attn_cli.train.resume" in modules(PACKAGE / "train" / "loop.py")
+    assert any(module.startswith("attn_cli.serve.") and not at_top
+               for module, _, at_top in imports(PACKAGE / "cli.py"))

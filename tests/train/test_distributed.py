@@ -1,0 +1,323 @@
+"""Data-parallel training (distributed.py): what the processes agree on, and real gloo processes
+on the CPU (torchrun, and ranks started by hand as on separate nodes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from attn_cli import batching
+from attn_cli.checkpoints import list_checkpoints
+from attn_cli.config import TrainOptions
+from attn_cli.data import ParallelData
+from attn_cli.train import distributed
+from attn_cli.train import loop as training
+
+from ..conftest import (
+    Result,
+    assert_clean_error,
+    assert_same_weights,
+    final_weights,
+    run_attn,
+    train_args,
+)
+
+
+def test_rank_disagreement_names_the_rank_and_what_differs():
+    facts = {"options": {"lr_scale": 0.5, "seed": 1}, "data file": "ab" * 32,
+             "resumed from": {"step": 4}}
+    same = [{"host": "a", "facts": facts}, {"host": "b", "facts": dict(facts)}]
+    assert distributed.rank_disagreement(same) is None
+    other_options = {**facts, "options": {"lr_scale": 0.25, "seed": 1}}
+    problem = distributed.rank_disagreement([same[0], same[1], {"host": "c",
+                                                             "facts": other_options}])
+    assert problem.startswith("rank 2 (on c) does not match rank 0: options: lr_scale is 0.25 "
+                              "where rank 0 has 0.5")
+    other_data = {**facts, "data file": "cd" * 32}
+    assert "rank 1 (on b) does not match rank 0: its data file differs from rank 0's" in \
+        distributed.rank_disagreement([same[0], {"host": "b", "facts": other_data}])
+    failed = [same[0], {"host": "b", "error": "data file x.st does not exist"}]
+    assert distributed.rank_disagreement(failed) == "rank 1 (on b): data file x.st does not exist"
+
+
+def test_gradients_are_all_reduced_in_bf16_between_nodes_on_gpus_only(monkeypatch):
+    from attn_cli.errors import AttnError
+
+    gpu = distributed.Processes(3, 16, torch.device("cuda", 3))
+    cpu = distributed.Processes(3, 16, torch.device("cpu"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 2 nodes of 8
+    assert distributed.gradient_sync_dtype("auto", gpu) == "bf16"
+    assert distributed.gradient_sync_dtype("auto", cpu) == "fp32"  # gloo sums float32
+    assert distributed.gradient_sync_dtype("fp32", gpu) == "fp32"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # one node of 16
+    assert distributed.gradient_sync_dtype("auto", gpu) == "fp32"
+    assert distributed.gradient_sync_dtype("bf16", gpu) == "bf16"
+    with pytest.raises(AttnError, match="--grad-sync bf16 needs CUDA"):
+        distributed.gradient_sync_dtype("bf16", cpu)
+
+
+# ------------------------------------------------------------------------------------ processes
+
+
+def torchrun(nproc: int, *args) -> subprocess.CompletedProcess:
+    """`attn ARGS` in `nproc` CPU processes (gloo) under torchrun, one thread each."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), "-m", "attn_cli", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+
+
+def saved_state(run_dir: Path, step: int) -> dict:
+    with safe_open(str(run_dir / f"checkpoint-{step}.state.st"), "pt") as handle:
+        return handle.metadata()
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_equal_one_process_and_resume_on_1_and_3(data_files, tmp_path):
+    """torchrun with 2 CPU processes trains the same parameters as 1 process accumulating the
+    same global batch (dropout on: its masks follow the micro-batch, not the process). With
+    validation at a save on the last step: every rank must take part in it, or one waits for
+    the other in vain.
+
+    Then the 2-process run resumed on 1 process and on 3. On 1 the plan keeps its micro-batches
+    (2 x 600 tokens become 1 process x 2 passes): the parameters stay those of the 1-process
+    run. On 3 the global batch (1200) is 3 passes of 400 tokens: the rest of the epoch is cut
+    anew from the pairs not yet used, from where the saved position says."""
+    common = ["--batch-tokens", 1200, "--max-tokens", 600, "--save-every", 2,
+              "--valid", data_files[1]]
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = run_attn(*train_args(data_files[0], one, *common, "--max-steps", 4))
+    assert single.returncode == 0, single.stderr
+    assert "2 accumulation step(s)" in single.stderr
+    double = torchrun(2, *train_args(data_files[0], two, *common, "--max-steps", 4))
+    assert double.returncode == 0, double.stderr
+    assert "rank 0/2" in double.stderr and "rank 1/2" in double.stderr
+    assert_same_weights(final_weights(one), final_weights(two), atol=1e-5)
+
+    for run_dir in (one, two):
+        resumed = run_attn(*train_args(data_files[0], run_dir, *common, "--max-steps", 6,
+                                       "--resume"))
+        assert resumed.returncode == 0, resumed.stderr
+    assert ("resume: batch plan 2 process(es) x 1 pass(es) x 600 tokens -> 1 process(es) x "
+            "2 pass(es) x 600 tokens (1200 -> 1200 tokens/side/step); micro-batches cut as "
+            "before") in resumed.stderr
+    assert_same_weights(final_weights(one), final_weights(two), atol=1e-5)
+
+    three = torchrun(3, *train_args(data_files[0], two, *common, "--max-steps", 8,
+                                    "--resume"))
+    assert three.returncode == 0, three.stderr
+    assert ("-> 3 process(es) x 1 pass(es) x 400 tokens (1200 -> 1200 tokens/side/step); the "
+            "rest of epoch") in three.stderr
+    assert "cut into 400-token micro-batches from the pairs not yet used" in three.stderr
+    # Where the run says it is in the data: 6 steps of 2 x 600, then 2 steps of 3 x 400.
+    expected = batching.MicroBatchStream(ParallelData(data_files[0]), 600, seed=1)
+    expected.take(12)
+    expected.change_budget(400)
+    expected.take(6)
+    state = saved_state(two, 8)
+    assert (int(state["epoch"]), int(state["offset"])) == expected.position
+    assert [tuple(cut) for cut in json.loads(state["earlier_budgets"])] == \
+        list(expected.earlier_budgets)
+    assert json.loads(state["batch_plan"])["world_size"] == 3
+    rows = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "loss" in row] == list(range(1, 9))
+
+
+def start_ranks(*argv_by_rank: list) -> list:
+    """Each rank started by hand (as on separate nodes), with its own command line."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    processes = []
+    for rank, argv in enumerate(argv_by_rank):
+        environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "WORLD_SIZE": str(len(argv_by_rank)), "RANK": str(rank),
+                       "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}
+        processes.append(subprocess.Popen(
+            [sys.executable, "-m", "attn_cli", *map(str, argv), "--dist-timeout", "1"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment))
+    results = []
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=180)
+        results.append(Result(process.returncode, stdout, stderr))
+    return results
+
+
+@pytest.mark.slow
+def test_a_rank_with_another_data_file_stops_every_rank(data_files, tmp_path):
+    results = start_ranks(train_args(data_files[0], tmp_path / "run", "--max-steps", 2),
+                          train_args(data_files[1], tmp_path / "run", "--max-steps", 2))
+    for result in results:
+        assert_clean_error(result, "rank 1 (on ", "does not match rank 0: its data file "
+                           "differs from rank 0's")
+    assert not list_checkpoints(tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_see_rank_0s_run_directory_stops_every_rank(data_files, tmp_path):
+    """Several nodes without a shared disk: rank 0 resumes from its checkpoint; another rank,
+    whose -o holds none, says so instead of starting afresh beside it."""
+    shared = tmp_path / "rank0"
+    assert run_attn(*train_args(data_files[0], shared, "--max-steps", 2)).returncode == 0
+    results = start_ranks(train_args(data_files[0], shared, "--max-steps", 3, "--resume"),
+                          train_args(data_files[0], tmp_path / "rank1", "--max-steps", 3,
+                                     "--resume"))
+    for result in results:
+        assert_clean_error(result, "rank 1 (on ", "holds no checkpoint-2.st",
+                           "shared file system")
+    assert [step for step, _ in list_checkpoints(shared)] == [2]
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_accumulating_equal_one_process_accumulating(data_files, tmp_path):
+    """DDP with gradient accumulation (`no_sync` on every pass but the last): 2 processes x 2
+    passes of 300 tokens train the parameters of 1 process x 4 passes, dropout on."""
+    common = ["--batch-tokens", 1200, "--max-tokens", 300, "--max-steps", 3]
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = run_attn(*train_args(data_files[0], one, *common))
+    assert single.returncode == 0, single.stderr
+    assert "4 accumulation step(s)" in single.stderr
+    double = torchrun(2, *train_args(data_files[0], two, *common))
+    assert double.returncode == 0, double.stderr
+    assert "2 accumulation step(s)" in double.stderr
+    assert_same_weights(final_weights(one), final_weights(two), atol=1e-5)
+
+
+# ------------------------------------------------------------- inside the processes (mp.spawn)
+
+
+def in_two_processes(work, *arguments) -> list:
+    """`work(rank, *arguments)` in 2 gloo processes started like torchrun's; what each
+    returns (JSON), in rank order."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = Path(arguments[-1])
+    mp.spawn(_in_process, args=(work, port, arguments), nprocs=2, join=True)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def _in_process(rank: int, work, port: int, arguments: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+                      RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      OMP_NUM_THREADS="1")
+    processes = distributed.start_processes("cpu", 1.0)
+    finished = False
+    try:
+        result = work(processes, *arguments)
+        finished = True
+    finally:
+        distributed.stop_processes(processes, finished)  # as `attn train` ends
+    (Path(arguments[-1]) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _gradient_addresses(processes, data: str, out: str) -> dict:
+    options = TrainOptions(data=Path(data), output=Path(out) / "run", preset="tiny",
+                           batch_tokens=1200, max_tokens=300, device="cpu", max_steps=5)
+    run, _ = training._start(options, processes, training._Quiet())
+    addresses = []
+    for step in range(5):
+        training._step(run, step, training.Votes)
+        addresses.append([None if p.grad is None else p.grad.data_ptr()
+                          for p in run.model.parameters()])
+    run.steps.close()
+    return {"addresses": addresses}
+
+
+@pytest.mark.slow
+def test_gradients_stay_in_ddps_buckets_from_step_to_step(data_files, tmp_path):
+    """DDP keeps gradients as views of its communication buckets (gradient_as_bucket_view):
+    zeroed in place after each step, never set to None (which would make every step allocate
+    them anew and copy them into the buckets). DDP rebuilds its buckets once, early (in the
+    order the gradients came; with accumulation, at the first synchronised pass): from then on,
+    the same memory."""
+    for result in in_two_processes(_gradient_addresses, str(data_files[0]), str(tmp_path)):
+        *_, third, fourth, fifth = result["addresses"]
+        assert None not in third
+        assert third == fourth == fifth, result["addresses"]
+
+
+def _failing_start(processes, out: str) -> dict:
+    from attn_cli.errors import AttnError
+
+    def prepare():
+        if processes.rank == 1:
+            raise MemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore details")
+        return "ready"
+
+    try:
+        distributed.same_on_every_rank(processes, prepare, lambda prepared: {})
+    except AttnError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+@pytest.mark.slow
+def test_any_failure_of_a_rank_at_start_stops_every_rank(tmp_path):
+    """Not only attn's own errors: an out-of-memory (or any exception) on one rank is told to
+    every rank, in one line, instead of leaving them waiting for it until --dist-timeout."""
+    for result in in_two_processes(_failing_start, str(tmp_path)):
+        assert result["error"] == ("rank 1 (on " + socket.gethostname() + "): MemoryError: "
+                                   "CUDA out of memory. Tried to allocate 2.00 GiB more details")
+
+
+# -------------------------------------------------------------------- validation while training
+
+SLOW_SCORING = """\
+import os, sys, time
+from attn_cli.train import validation
+from attn_cli.cli import main
+
+original = validation.Validator.score_texts
+
+def slow(self, texts):  # the main process scores: as slow as a large validation set
+    time.sleep(float(os.environ["SCORING_SECONDS"]))
+    return original(self, texts)
+
+validation.Validator.score_texts = slow
+main(sys.argv[1:])
+"""
+
+
+def torchrun_script(nproc: int, script: Path, seconds: float, *args):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), str(script), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "SCORING_SECONDS": str(seconds)})
+
+
+@pytest.mark.slow
+def test_validation_by_bleu_on_two_processes_and_past_the_timeout(data_files, tmp_path):
+    """Every process decodes a share of the validation set, the main one scores it. A slow
+    scoring within --dist-timeout (1 s of 12) ends well, with a BLEU row at each save; one past
+    it (10 s of 6) stops every process with an error, not a hang."""
+    script = tmp_path / "slow_scoring.py"
+    script.write_text(SLOW_SCORING, encoding="utf-8")
+    common = ["--valid", data_files[1], "--valid-metric", "bleu", "--save-every", 2,
+              "--max-steps", 4]
+    run_dir = tmp_path / "run"
+    result = torchrun_script(2, script, 1, *train_args(data_files[0], run_dir, *common,
+                                                       "--dist-timeout", 0.2))
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "valid_bleu" in row] == [2, 4]
+    started = time.monotonic()
+    late = torchrun_script(2, script, 10, *train_args(data_files[0], tmp_path / "late",
+                                                      *common, "--dist-timeout", 0.1))
+    assert late.returncode != 0
+    assert time.monotonic() - started < 120
+    assert "error: rank 1: waiting for the other processes failed" in late.stderr
+    assert "--dist-timeout 0.1 min: it must exceed a validation and a save" in late.stderr
+    assert "]: Traceback" not in late.stderr  # none from a rank (torchrun prints its own)
