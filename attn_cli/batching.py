@@ -298,13 +298,29 @@ class StepStream:
 # ---------------------------------------------------------------------------------- search
 
 
-def token_budget_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Indices sorted by length, cut so that sentences × longest ≤ batch_tokens (source side)."""
+# One rule decides every search batch (decode, parse, the server's queue, validation): a batch of
+# sentences searched together holds at most `source_budget` source tokens, padding included,
+# with --batch-tokens counting source tokens × the rows each sentence searches (its beam).
+
+
+def source_budget(batch_tokens: int, rows_per_sentence: int) -> int:
+    """Source tokens of one search batch, padding included: `batch_tokens` shared by the rows
+    each sentence searches (its beam; 1 when sampling)."""
+    return max(1, batch_tokens // rows_per_sentence)
+
+
+def fits(longest: int, sentences: int, budget: int) -> bool:
+    """Whether `sentences` padded to `longest` fit a batch's source budget."""
+    return longest * sentences <= budget
+
+
+def token_budget_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices sorted by length, cut so that sentences × longest ≤ budget (source side)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batches, current, longest = [], [], 0
     for index in order:
         longest_if_added = max(longest, lengths[index])
-        if current and longest_if_added * (len(current) + 1) > batch_tokens:
+        if current and not fits(longest_if_added, len(current) + 1, budget):
             batches.append(current)
             current, longest_if_added = [], lengths[index]
         current.append(index)

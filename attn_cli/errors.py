@@ -1,6 +1,11 @@
 """The errors a user sees. Each is shown as one `error: ...` line on stderr, exit status 2,
 never a traceback (cli.main): the message must say what was wrong, where (file and line), and
-what to do. No imports: every module may raise them."""
+what to do. No imports but the standard library's: every module may raise them."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 
 class AttnError(Exception):
@@ -9,3 +14,28 @@ class AttnError(Exception):
 
 class TrainingDiverged(AttnError):
     """The training loss became inf or NaN: the run stops, its last good checkpoint kept."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch's out-of-memory error of a device (torch.OutOfMemoryError, once
+    torch.cuda.OutOfMemoryError), known by name so that this module needs no torch."""
+    return type(error).__name__ == "OutOfMemoryError"
+
+
+def out_of_memory_line(error: BaseException) -> str:
+    """torch's first line of it (what was asked, what the device has), on one line."""
+    return " ".join(str(error).split("\n")[0].split())[:200]
+
+
+@contextlib.contextmanager
+def batch_must_fit(batch: str, remedy: str) -> Iterator[None]:
+    """Where the batch size is known: the device running out of memory in the block becomes one
+    line naming that batch ("search batches of 8000 source tokens × beam") and the option that
+    makes the work fit, with its value ("lower --batch-tokens (8000)")."""
+    try:
+        yield
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        raise AttnError(f"out of GPU memory with {batch} ({out_of_memory_line(error)}): "
+                        f"{remedy}") from None

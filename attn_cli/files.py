@@ -8,8 +8,10 @@ half-written (temp file in the same directory + fsync + os.replace).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -190,6 +192,48 @@ def atomic_output(path: str | os.PathLike, mode: str = "wb") -> Iterator:
     encoding = None if "b" in mode else "utf-8"
     with atomic_path(path) as temp, open(temp, mode, encoding=encoding) as handle:
         yield handle
+
+
+def check_output_directory(output_dir: str | Path, force: bool) -> Path:
+    """A directory to write anew (an export's): refused if it is a file, or holds anything and
+    not `force`."""
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise AttnError(f"{output_dir} exists and is not a directory")
+    if output_dir.exists() and any(output_dir.iterdir()) and not force:
+        raise AttnError(f"{output_dir} exists and is not empty (--force replaces it)")
+    return output_dir
+
+
+@contextlib.contextmanager
+def staged_directory(output_dir: Path) -> Iterator[Path]:
+    """A directory to write into, beside `output_dir` and renamed into place when the block ends
+    well: `atomic_path` for a directory, so that a killed writer leaves no half of one. Its files
+    get the modes a plain mkdir and open would give (mkdtemp's directory is private)."""
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
+    try:
+        yield staging
+        umask = _umask()
+        staging.chmod(0o777 & ~umask)
+        for path in staging.iterdir():
+            path.chmod(0o666 & ~umask)
+        if output_dir.exists():
+            shutil.rmtree(output_dir)
+        os.replace(staging, output_dir)
+    except OSError as error:  # a full disk, a quota, a read-only file system
+        raise cannot_write(output_dir, error) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def file_sha256(path: Path) -> str:
+    """A file's checksum: how processes on different nodes check they read the same data."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_metrics(path: str | os.PathLike) -> tuple[list[dict], str | None]:

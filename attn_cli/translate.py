@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batching import pad_sequences, token_budget_batches
+from .batching import pad_sequences, source_budget, token_budget_batches
 from .devices import (
     inference_dtype,
     pack_for_cpu_inference,
@@ -69,6 +69,11 @@ class DecodeOptions:
             raise AttnError("--topp and --temperature must be above 0")
         if (self.topk or self.topp < 1.0 or self.temperature != 1.0) and not self.sample:
             raise AttnError("--topk, --topp and --temperature apply to --sample only")
+
+    @property
+    def source_budget(self) -> int:
+        """Source tokens of one search batch, padding included (batching's one rule)."""
+        return source_budget(self.batch_tokens, 1 if self.sample else self.beam)
 
 
 @dataclass
@@ -267,9 +272,7 @@ class Translator:
         if todo:
             ids = self.encode([lines[i] for i in todo], first_line)
             lengths = [len(sequence) for sequence in ids]
-            rows_per_sentence = 1 if self.options.sample else self.options.beam
-            budget = max(1, self.options.batch_tokens // rows_per_sentence)
-            batches = token_budget_batches(lengths, budget)
+            batches = token_budget_batches(lengths, self.options.source_budget)
 
             def search_batch(batch: list[int]) -> list[list[Hypothesis]]:
                 constraint = self.constraint_for([lines[todo[i]] for i in batch]) \

@@ -18,15 +18,10 @@ once the best beam ends (`attn decode --stop best-ends`).
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import AttnError
-from ..files import cannot_write
+from ..files import check_output_directory, staged_directory
 from ..formats import (
     BOS_ID,
     EOS_ID,
@@ -152,36 +147,3 @@ def export_ct2(model_path: str | Path, output_dir: str | Path, quantization: str
         for name, vocab in (("source", loaded.src_vocab), ("target", loaded.tgt_vocab)):
             (staging / f"{name}.spm").write_bytes(vocab.spm_bytes)
     return output_dir
-
-
-def check_output_directory(output_dir: str | Path, force: bool) -> Path:
-    """An export's directory: refused if it is a file, or holds anything and not `force`."""
-    output_dir = Path(output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise AttnError(f"{output_dir} exists and is not a directory")
-    if output_dir.exists() and any(output_dir.iterdir()) and not force:
-        raise AttnError(f"{output_dir} exists and is not empty (--force replaces it)")
-    return output_dir
-
-
-@contextlib.contextmanager
-def staged_directory(output_dir: Path) -> Iterator[Path]:
-    """A directory to write an export into, beside `output_dir` and renamed into place when the
-    block ends well: a killed export leaves no half model. Its files get the modes a plain
-    mkdir and open would give (mkdtemp's directory is private)."""
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
-    try:
-        yield staging
-        umask = os.umask(0)
-        os.umask(umask)
-        staging.chmod(0o777 & ~umask)
-        for path in staging.iterdir():
-            path.chmod(0o666 & ~umask)
-        if output_dir.exists():
-            shutil.rmtree(output_dir)
-        os.replace(staging, output_dir)
-    except OSError as error:  # a full disk, a quota, a read-only file system
-        raise cannot_write(output_dir, error) from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)

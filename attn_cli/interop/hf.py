@@ -28,9 +28,9 @@ from torch import Tensor
 
 from ..config import ModelConfig
 from ..errors import AttnError
+from ..files import check_output_directory, staged_directory
 from ..formats import MAX_SOURCE_TOKENS, TRANSLATION
 from ..vocab import Vocabulary
-from .ct2 import check_output_directory, staged_directory
 
 MARIAN_LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which MarianMTModel's layers use
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..batching import fits
 from ..search import Hypothesis
 from ..translate import Translator
 
@@ -168,15 +169,14 @@ class RequestQueue:
             if not self._lines:
                 return None if self._closing else []
             settings = self._lines[0].job.settings
-            rows = 1 if settings.sample else settings.beam
-            budget = max(1, settings.batch_tokens // rows)  # source tokens, padding included
+            budget = settings.source_budget
             alike = sum(1 for line in self._lines if line.job.settings == settings)
             # Idle workers split what waits: two batches side by side beat one twice as big.
             share = math.ceil(alike / max(1, self.workers - self._searching))
             batch, longest, kept = [], 0, deque()
             for line in self._lines:
-                fits = max(longest, len(line.ids)) * (len(batch) + 1) <= budget
-                if line.job.settings == settings and len(batch) < share and (fits or not batch):
+                room = fits(max(longest, len(line.ids)), len(batch) + 1, budget)
+                if line.job.settings == settings and len(batch) < share and (room or not batch):
                     batch.append(line)
                     longest = max(longest, len(line.ids))
                 else:

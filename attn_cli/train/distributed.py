@@ -8,14 +8,12 @@ tells the others instead of leaving them waiting until --dist-timeout.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 
@@ -222,12 +220,3 @@ def rank_disagreement(reports: list[dict]) -> str | None:
             return (f"rank {rank} (on {report['host']}) does not match rank 0: {what}; every "
                     "process must run the same command on the same files")
     return None
-
-
-def file_sha256(path: Path) -> str:
-    """A file's checksum: how processes on different nodes check they read the same data."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -40,6 +40,7 @@ from ..config import Architecture, ModelConfig, Recipe, TrainOptions, get_preset
 from ..data import ParallelData
 from ..devices import autocast, resolve_dtype, warn_if_bf16_is_emulated
 from ..errors import AttnError, TrainingDiverged
+from ..files import file_sha256
 from ..model import Transformer
 from ..modelfile import LoadedModel, load_model, read_model_header, unwrap
 from . import resume
@@ -47,7 +48,6 @@ from .distributed import (
     Processes,
     all_reduce_sum,
     collective_failed,
-    file_sha256,
     from_main,
     gather_to_main,
     gradient_sync_dtype,

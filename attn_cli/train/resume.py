@@ -19,8 +19,9 @@ from ..checkpoints import ResumePoint, ResumeState
 from ..config import FREELY_CHANGED, PER_NODE_OPTIONS, ModelConfig, TrainOptions
 from ..data import ParallelData
 from ..errors import AttnError
+from ..files import file_sha256
 from ..modelfile import LoadedModel
-from .distributed import Processes, file_sha256, from_main
+from .distributed import Processes, from_main
 
 
 def resume_step(options: TrainOptions, processes: Processes) -> int | None:

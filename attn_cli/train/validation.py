@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batching import pad_sequences, token_budget_batches
+from ..batching import pad_sequences, source_budget, token_budget_batches
 from ..data import ParallelData
 from ..devices import search_batch_tokens
 from ..errors import AttnError
@@ -78,7 +78,7 @@ class Validator:
         try:
             lengths = [len(ids) for ids in self.sources]
             budget = self.batch_tokens or search_batch_tokens(device)
-            batches = token_budget_batches(lengths, max(1, budget // self.beam))
+            batches = token_budget_batches(lengths, source_budget(budget, self.beam))
             for batch in batches[rank::world_size]:
                 src = pad_sequences([self.sources[i] for i in batch],
                                     model.config.pad_id).to(device)
