@@ -17,7 +17,6 @@ draws them.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -27,27 +26,9 @@ from .batching import collate_pairs
 from .errors import AttnError
 from .files import atomic_path
 from .formats import ATTENTION_FORMAT, ATTENTION_FORMAT_VERSION
+from .model import AttentionWeights
 
 KINDS = ("encoder", "decoder", "cross")
-
-
-@contextlib.contextmanager
-def recorded_attention(model):
-    """While open, every attention layer of `model` appends its weights to a list: yields
-    {kind: [that list of each layer]}."""
-    layers = {"encoder": [layer.self_attn for layer in model.encoder_layers],
-              "decoder": [layer.self_attn for layer in model.decoder_layers],
-              "cross": [layer.cross_attn for layer in model.decoder_layers]}
-    for modules in layers.values():
-        for module in modules:
-            module.recorded = []
-    try:
-        yield {kind: [module.recorded for module in modules]
-               for kind, modules in layers.items()}
-    finally:
-        for modules in layers.values():
-            for module in modules:
-                module.recorded = None
 
 
 @torch.inference_mode()
@@ -63,11 +44,11 @@ def attention_maps(model, sources: list[list[int]], outputs: list[list[int]],
         device = next(model.parameters()).device
         batch = collate_pairs(pairs, config.bos_id, config.eos_id, config.pad_id).to(device)
         src, tgt_in = batch.src_tokens, batch.tgt_input
-        with recorded_attention(model) as records:
-            memory, src_mask = model.encode(src)
-            model.decode(tgt_in, memory, src_mask)
-        stacked = {kind: torch.stack([weights[0] for weights in per_layer], dim=1)
-                   for kind, per_layer in records.items()}  # (B, layers, heads, Lq, Lk)
+        weights = AttentionWeights()
+        memory, src_mask = model.encode(src, weights)
+        model.decode(tgt_in, memory, src_mask, weights)
+        stacked = {kind: torch.stack(getattr(weights, kind), dim=1)
+                   for kind in KINDS}  # (B, layers, heads, Lq, Lk)
         for row, (src_row, out_row) in enumerate(pairs):
             s, t = len(src_row) + 1, len(out_row) + 1
             found.append({"encoder": stacked["encoder"][row, :, :, :s, :s],
@@ -83,15 +64,16 @@ def recording_render(translator, writer: "AttentionWriter"):
 
     model = translator.model.models[0] if isinstance(translator.model, Ensemble) \
         else translator.model
-    loaded, eos = translator.loaded, translator.loaded.config.eos_id
+    src_vocab, tgt_vocab = translator.src_vocab, translator.tgt_vocab
+    eos = translator.config.eos_id
 
     def render(index, line, hypotheses):
         if line.strip():
-            source = loaded.src_vocab.encode([line])[0][:translator.max_source]
+            source = src_vocab.encode([line])[0][:translator.max_source]
             output = hypotheses[0].tokens
             maps = attention_maps(model, [source], [output])[0]
-            pieces = [loaded.src_vocab.piece(i) for i in source + [eos]]
-            out_pieces = [loaded.tgt_vocab.piece(i) for i in output + [eos]]
+            pieces = [src_vocab.piece(i) for i in source + [eos]]
+            out_pieces = [tgt_vocab.piece(i) for i in output + [eos]]
             writer.add(index + 1, maps, pieces, out_pieces)
         return translator.format(index, hypotheses)
 

@@ -190,6 +190,20 @@ def prune_checkpoints(run_dir: Path, keep: int, best: set[int] = frozenset(),
         state_path(run_dir, step).unlink(missing_ok=True)
 
 
+def prune_after_save(run_dir: Path, keep: int, keep_state: int | None = None,
+                     keep_best: int = 0, metric: str | None = None) -> None:
+    """After a save, `prune_checkpoints` keeping the `keep_best` best model files (`--keep-best`)
+    by their validation scores for `metric` in metrics.jsonl (`scored_steps`), of the
+    checkpoints still on disk."""
+    best = set()
+    if keep_best:
+        metric, scores = scored_steps(run_dir, metric)
+        saved = {step for step, _ in list_checkpoints(run_dir)}
+        best = set(best_steps({step: score for step, score in scores.items() if step in saved},
+                              metric, keep_best))
+    prune_checkpoints(run_dir, keep, best, keep_state)
+
+
 def append_metrics(run_dir: Path, row: dict) -> None:
     """One row at the end of the run's metrics.jsonl, flushed."""
     try:

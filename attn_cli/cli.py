@@ -19,8 +19,8 @@ from typing import Annotated, List, Optional
 import typer
 
 from . import __version__
-from .config import PRESETS, TRAIN_DEFAULTS
-from .errors import AttnError
+from .config import PRESETS, SERVE_DEFAULTS, TRAIN_DEFAULTS
+from .errors import AttnError, is_out_of_memory, out_of_memory_line
 from .formats import (
     BATCH_TOKENS,
     BUFFER_SIZE,
@@ -59,9 +59,20 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-# The commands that load a model, then decode with it until the process ends: they keep the
-# garbage collector off until their model is loaded (`translate.keep_loaded`).
-_LOAD_THEN_DECODE = ("decode", "parse", "serve")
+# The garbage collector, the whole policy. Python's full collections walk every live object,
+# and importing torch and loading a model make only objects that live on: so `main` starts
+# every command with the collector off, and the command turns it on (`_collector_on`) once it
+# holds what it keeps. Most do at once; the commands that load a model and then decode with it
+# until the process ends do once the model is loaded, freezing it out of later full collections
+# (which would otherwise walk all of torch's and the model's objects again and again).
+_LOAD_THEN_DECODE = ("decode", "parse", "serve")  # `parse linearize` loads no model
+
+
+def _collector_on(loaded: bool = False) -> None:
+    """The collector on; with `loaded`, what is alive now is frozen out of full collections."""
+    if loaded:
+        gc.freeze()
+    gc.enable()
 
 
 @app.callback()
@@ -70,7 +81,7 @@ def _root(context: typer.Context,
                                        help="Print the version and exit.")) -> None:
     """The Transformer, end to end."""
     if context.invoked_subcommand not in _LOAD_THEN_DECODE:
-        gc.enable()  # `main` started without it
+        _collector_on()
 
 
 def _preset_names(incomplete: str = "") -> list[str]:
@@ -108,9 +119,9 @@ PrecisionOption = Annotated[Precision, typer.Option(
     "--dtype", help="auto (bf16 on CUDA, fp32 on a CPU, where the output then does not depend "
     "on the batching), fp32, bf16 (faster on CPUs with native bf16) or fp16 (CUDA).")]
 Int8Option = Annotated[bool, typer.Option(
-    "--int8", help="int8 linear layers (torch's dynamic quantization, CPU only): ~1.4x "
-    "faster on the demo model; outputs then depend on the batching, and BLEU moves a little. "
-    "Never the default.")]
+    "--int8", help="int8 linear layers (torch's dynamic quantization, CPU only): faster "
+    "(benchmarks/README.md has the figures); outputs then depend on the batching, and BLEU "
+    "moves a little. Never the default.")]
 ThreadsOption = Annotated[int, typer.Option("--threads", min=0,
                                             help="CPU threads (0: all cores).")]
 WorkersOption = Annotated[int, typer.Option(
@@ -353,12 +364,13 @@ def train(
                         "data")
     from .train import loop as training
     from .train import report as train_report
+    from .train.start import check_init_preset
 
     if init is not None:
         # A --preset typed beside --init must match the model's architecture; its default
         # only lends the recipe. (By name: Typer may bring its own copy of click's enum.)
         if context.get_parameter_source("preset").name == "COMMANDLINE":
-            training.check_init_preset(init, preset)
+            check_init_preset(init, preset)
     if dry_run:
         world_size = nproc or int(os.environ.get("WORLD_SIZE", "1"))
         print(train_report.dry_run_report(options, vocab_size, world_size))
@@ -476,10 +488,11 @@ def decode(
 def serve(
     model_path: List[Path] = typer.Option(..., "-m", "--model", help="A model file (.st); -m "
                                           "again for an ensemble, as in `attn decode`."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: "
-                             "every interface; only with --api-key on a shared network)."),
-    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port (0: a free one, "
-                             "named in the first log line)."),
+    host: str = typer.Option(SERVE_DEFAULTS["host"], "--host", help="Address to listen on "
+                             "(0.0.0.0: every interface; only with --api-key on a shared "
+                             "network)."),
+    port: int = typer.Option(SERVE_DEFAULTS["port"], "--port", min=0, max=65535,
+                             help="Port (0: a free one, named in the first log line)."),
     name: Optional[str] = typer.Option(None, "--name", help="The model's id in requests and "
                                        "GET /v1/models [default: the file names' stems]."),
     langs: Optional[str] = typer.Option(None, "--langs", help="SOURCE-TARGET language codes "
@@ -490,22 +503,23 @@ def serve(
                                           show_envvar=True, help="Answer only requests that "
                                           "carry this key (Authorization: Bearer KEY, "
                                           "X-API-Key, or an api_key field); 401 otherwise."),
-    max_body: int = typer.Option(1 << 20, "--max-body", min=1, help="Largest request body, in "
-                                 "bytes (413 above)."),
-    max_lines: int = typer.Option(1000, "--max-lines", min=1, help="Most lines in one request "
-                                  "(422 above)."),
-    max_line_chars: int = typer.Option(10_000, "--max-line-chars", min=1, help="Longest line, "
-                                       "in characters (422 above)."),
-    queue_lines: int = typer.Option(10_000, "--queue-lines", min=1, help="Lines waiting for a "
-                                    "search, all requests together: a request that does not "
-                                    "fit gets 503 with Retry-After."),
-    max_beam: int = typer.Option(32, "--max-beam", min=1, help="Largest beam (and nbest) a "
-                                 "request may ask for."),
-    gather_ms: float = typer.Option(3.0, "--gather-ms", min=0.0, help="How long an idle "
-                                    "search worker waits for more requests to batch with the "
-                                    "first, in milliseconds."),
-    max_connections: int = typer.Option(1024, "--max-connections", min=1, help="Open "
-                                        "connections at once (503 above)."),
+    max_body: int = typer.Option(SERVE_DEFAULTS["max_body"], "--max-body", min=1,
+                                 help="Largest request body, in bytes (413 above)."),
+    max_lines: int = typer.Option(SERVE_DEFAULTS["max_lines"], "--max-lines", min=1,
+                                  help="Most lines in one request (422 above)."),
+    max_line_chars: int = typer.Option(SERVE_DEFAULTS["max_line_chars"], "--max-line-chars",
+                                       min=1, help="Longest line, in characters (422 above)."),
+    queue_lines: int = typer.Option(SERVE_DEFAULTS["queue_lines"], "--queue-lines", min=1,
+                                    help="Lines waiting for a search, all requests together: "
+                                    "a request that does not fit gets 503 with Retry-After."),
+    max_beam: int = typer.Option(SERVE_DEFAULTS["max_beam"], "--max-beam", min=1,
+                                 help="Largest beam (and nbest) a request may ask for; --beam "
+                                 "must be within it."),
+    gather_ms: float = typer.Option(SERVE_DEFAULTS["gather_ms"], "--gather-ms", min=0.0,
+                                    help="How long an idle search worker waits for more "
+                                    "requests to batch with the first, in milliseconds."),
+    max_connections: int = typer.Option(SERVE_DEFAULTS["max_connections"], "--max-connections",
+                                        min=1, help="Open connections at once (503 above)."),
     beam: BeamOption = TRANSLATION.beam,
     alpha: AlphaOption = TRANSLATION.alpha,
     max_len_a: MaxLenAOption = TRANSLATION.max_len_a,
@@ -524,28 +538,24 @@ def serve(
     `attn decode`'s. --beam, --alpha, --max-len-a/b and --stop are the defaults a request may
     override. Logs one line per request on stderr; SIGTERM finishes open requests, then
     exits 0."""
-    from .serve.server import MAX_LEN_B, ServeOptions, parse_langs
+    from .config import ServeOptions, parse_langs
     from .serve.server import serve as run_server
 
-    if queue_lines < max_lines:
-        raise AttnError(f"--queue-lines ({queue_lines}) must hold a request of --max-lines "
-                        f"({max_lines})")
-    if max_len_b > MAX_LEN_B:
-        raise AttnError(f"--max-len-b must be at most {MAX_LEN_B}")
     options = ServeOptions(host=host, port=port, name=name, langs=parse_langs(langs),
                            api_key=api_key or None, max_body=max_body, max_lines=max_lines,
                            max_line_chars=max_line_chars, queue_lines=queue_lines,
-                           max_beam=max(max_beam, beam), gather_ms=gather_ms,
+                           max_beam=max_beam, gather_ms=gather_ms,
                            max_connections=max_connections)
+    options.check_defaults(beam, max_len_b)
 
     def load():
-        from .translate import keep_loaded, load_translator
+        from .translate import load_translator
 
         translator = load_translator(model_path, beam, device=device.value, dtype=dtype.value,
                                      threads=threads, workers=workers, warn=log, alpha=alpha,
                                      max_len_a=max_len_a, max_len_b=max_len_b, stop=stop,
                                      batch_tokens=batch_tokens, int8=int8)
-        keep_loaded()
+        _collector_on(loaded=True)
         return translator
 
     run_server(model_path, options, load, log)
@@ -563,9 +573,9 @@ def _write_stats(path: Path | None, stats, load_seconds: float) -> None:
 def _stream(translator, input_path: str, strict: bool, render=None):
     """Lines of `input_path` through the translator to stdout, one (or nbest) out per line in."""
     from .files import display_name, open_binary
-    from .translate import keep_loaded, run
+    from .translate import run
 
-    keep_loaded()
+    _collector_on(loaded=True)
     out = _text_stdout()
     with open_binary(input_path) as stream:
         try:
@@ -634,16 +644,22 @@ def score(
     elif model_path:
         if len(files) != 2:
             raise AttnError("score -m MODEL takes two files: SRC TGT")
-        _score_with_model(model_path, files[0], files[1], device.value, dtype.value,
-                          batch_tokens, threads, strict, as_json)
+        from .scoring import score_files_with_model
+
+        forced = score_files_with_model(model_path, files[0], files[1], device.value,
+                                        dtype.value, batch_tokens, threads, _utf8_policy(strict))
+        _write_lines(forced.lines(as_json))
+        log(forced.summary())
     else:
         if ref is None:
             raise AttnError("score needs --ref REF (or -m MODEL SRC TGT)")
         if len(files) > 1:
             raise AttnError("score --ref REF takes one hypothesis file (or stdin)")
+        from .scoring import text_score_lines
+
         names = [name.strip().lower() for name in metrics.split(",") if name.strip()]
-        _score_text(files[0] if files else "-", ref, names, tokenize.value, lowercase,
-                    sentence_level, strict, as_json)
+        _write_lines(text_score_lines(files[0] if files else "-", ref, names, tokenize.value,
+                                      lowercase, sentence_level, _utf8_policy(strict), as_json))
 
 
 def _write_lines(lines) -> None:
@@ -660,43 +676,6 @@ def _json_line(value) -> str:
     import json
 
     return json.dumps(value, ensure_ascii=False)
-
-
-def _score_text(hypothesis_path: str, ref: str, names: list[str], tokenize: str,
-                lowercase: bool, sentence_level: bool, strict: bool, as_json: bool) -> None:
-    from . import scoring
-
-    hypotheses, references, bad_line = scoring.read_parallel(hypothesis_path, ref,
-                                                             _utf8_policy(strict))
-    if sentence_level:
-        scores = scoring.sentence_scores(hypotheses, references, names[0], tokenize, lowercase)
-        _write_lines(_json_line({"line": number, names[0]: round(value, 4)}) if as_json
-                     else f"{value:.4f}" for number, value in enumerate(scores, start=1))
-    elif bad_line is None:
-        results = scoring.text_scores(hypotheses, references, names, tokenize, lowercase)
-        _write_lines([_json_line({r.name: {"score": round(r.score, 4), "signature": r.signature,
-                                            "text": r.text} for r in results})] if as_json
-                     else [result.line() for result in results])
-    if bad_line is not None:
-        raise bad_line
-
-
-def _score_with_model(model_paths: list[Path], src: str, tgt: str, device: str, dtype: str,
-                      batch_tokens: int, threads: int, strict: bool, as_json: bool) -> None:
-    from . import scoring
-
-    sources, targets, bad_line = scoring.read_parallel(src, tgt, _utf8_policy(strict))
-    started = time.perf_counter()
-    results = scoring.score_with_model(model_paths, sources, targets, device, dtype,
-                                       batch_tokens, threads)
-    _write_lines(_json_line({"line": number, "log_prob": round(r.log_prob, 4),
-                             "tokens": r.tokens}) if as_json else f"{r.log_prob:.4f}\t{r.tokens}"
-                 for number, r in enumerate(results, start=1))
-    if bad_line is not None:
-        raise bad_line
-    tokens = sum(result.tokens for result in results)
-    log(f"score: {len(results)} pairs, {tokens} target tokens (EOS included), perplexity "
-        f"{scoring.perplexity(results):.4f} in {time.perf_counter() - started:.1f}s")
 
 
 parse_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
@@ -742,7 +721,7 @@ def parse(
     one well-formed bracketed tree per line out, always (an empty line for an empty line).
     `attn parse linearize` makes the training pairs from a treebank."""
     if context.invoked_subcommand is not None:  # linearize: text work, no model kept loaded
-        gc.enable()
+        _collector_on()
         return
     if model_path is None:
         raise AttnError("parse needs -m PARSER.st (or the subcommand `linearize`)")
@@ -818,6 +797,8 @@ def plot(
     runs, or attention maps like the paper's Figures 3-5 (pip install 'attn[plot]')."""
     from . import plots
 
+    # `attention` is a word, not a sub-command (as `parse linearize` is): a click group cannot
+    # take run directories as positional arguments beside its sub-commands.
     if targets[0] == "attention" and not (len(targets) == 1 and Path("attention").is_dir()):
         if len(targets) != 2 or line is None:
             raise AttnError("plot attention takes one file from `attn decode --attention` "
@@ -898,11 +879,8 @@ def import_hf(
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `attn` and `python -m attn_cli`: maps every failure to one stderr line.
-
-    The garbage collector is off while the command starts: importing torch and loading a model
-    make only objects that live on, yet Python's full collections walked them 2-3 times (15-75
-    ms each), 0.19 s of a one-line `attn decode` (measured with farm-bench: 0.97 against 1.17 s).
-    Commands that decode turn it on once their model is loaded, the others at once."""
+    The command starts with the garbage collector off (`_collector_on`), and a program calling
+    `main` gets it back on."""
     gc.disable()
     try:
         _run(argv)
@@ -922,8 +900,8 @@ def _run(argv: list[str] | None) -> None:
     except BrokenPipeError:
         _quiet_broken_pipe()
     except Exception as error:
-        if type(error).__name__ == "OutOfMemoryError":  # torch's, on a GPU
-            log(f"error: {_out_of_memory(error, argv if argv is not None else sys.argv[1:])}")
+        if is_out_of_memory(error):  # where no batch is to blame (those raise AttnError)
+            log(f"error: out of GPU memory ({out_of_memory_line(error)})")
             sys.exit(2)
         if type(error).__name__ == "Abort":  # Ctrl-C inside a prompt (click or typer's own)
             log("interrupted")
@@ -939,32 +917,6 @@ def _run(argv: list[str] | None) -> None:
         log(f"error: {error.format_message()}{hint}")
         sys.exit(2)
     sys.exit(status if isinstance(status, int) else 0)
-
-
-def _out_of_memory(error: BaseException, argv: list) -> str:
-    """What ran out on the GPU (torch's first line: what was asked, what the device has), the
-    batch that asked for it, and the option that makes the work fit."""
-    said = " ".join(str(error).split("\n")[0].split())[:200]
-    words = [str(word) for word in argv]
-    command = words[0] if words else ""
-
-    def given(option: str) -> str | None:
-        return words[words.index(option) + 1] if option in words[:-1] else None
-
-    if command == "train":
-        tokens = given("--max-tokens")
-        batch = (f"forward passes of up to {tokens} tokens" if tokens else
-                 "one forward pass per step of the whole --batch-tokens (no --max-tokens)")
-        remedy = ("lower --max-tokens (gradient accumulation keeps the batch --batch-tokens)"
-                  if tokens else "add --max-tokens 4096 (gradient accumulation keeps the batch)")
-    elif command == "score":
-        batch = f"batches of {given('--batch-tokens') or BATCH_TOKENS} tokens"
-        remedy = "lower --batch-tokens"
-    else:
-        batch = (f"search batches of {given('--batch-tokens') or GPU_BATCH_TOKENS} "
-                 "source tokens × beam")
-        remedy = "lower --batch-tokens"
-    return f"out of GPU memory with {batch} ({said}): {remedy}"
 
 
 def _quiet_broken_pipe() -> None:

@@ -328,3 +328,55 @@ def parse_interval(text: str) -> tuple[float, str]:
     except ValueError:
         raise AttnError(f"cannot read the interval {text!r}: use steps (5000) or a time "
                         "(30s, 10m, 12h)") from None
+
+
+# ------------------------------------------------------------------------------- attn serve
+
+MAX_LEN_B = 4096  # the longest outputs a server searches for (each step costs)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `attn serve` takes besides the models and their search settings; its defaults are
+    the command's."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    name: str | None = None  # the model's id in requests and /v1/models (default: file stems)
+    langs: tuple[str, str] | None = None  # (source, target) codes
+    api_key: str | None = None
+    max_body: int = 1 << 20  # bytes
+    max_lines: int = 1000  # per request
+    max_line_chars: int = 10_000
+    queue_lines: int = 10_000  # lines waiting for a search worker, all requests together
+    max_beam: int = 32
+    gather_ms: float = 3.0
+    max_connections: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.queue_lines < self.max_lines:
+            raise AttnError(f"--queue-lines ({self.queue_lines}) must hold a request of "
+                            f"--max-lines ({self.max_lines})")
+
+    def check_defaults(self, beam: int, max_len_b: int) -> None:
+        """The server's own search settings (--beam, --max-len-b) within what it lets a request
+        ask for. Plain numbers, not a DecodeOptions: `attn serve` checks them before torch is
+        imported (see serve/server.py's `serve`)."""
+        if beam > self.max_beam:
+            raise AttnError(f"--beam ({beam}) is above --max-beam ({self.max_beam}): raise "
+                            "--max-beam or lower --beam")
+        if max_len_b > MAX_LEN_B:
+            raise AttnError(f"--max-len-b must be at most {MAX_LEN_B}")
+
+
+SERVE_DEFAULTS = {option.name: option.default for option in dataclasses.fields(ServeOptions)}
+
+
+def parse_langs(value: str | None) -> tuple[str, str] | None:
+    """'en-de' → ('en', 'de')."""
+    if value is None:
+        return None
+    source, _, target = value.partition("-")
+    if not source or not target or "-" in target:
+        raise AttnError(f"--langs takes SOURCE-TARGET language codes, e.g. en-de, not {value!r}")
+    return source, target

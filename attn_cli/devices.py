@@ -1,11 +1,13 @@
-"""Device and precision choices shared by train, decode and score, and the packed weights that
-decoding on a CPU runs with (oneDNN's blocked layout, prepared once per model)."""
+"""Device and precision choices shared by train, decode and score, and the model that decoding
+and scoring run: a copy of the loaded one made for the device (`inference_model`), its weights
+converted once, on a CPU in oneDNN's packed layout (or int8, `--int8`)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -13,6 +15,7 @@ from torch import Tensor, nn
 
 from .errors import AttnError
 from .formats import BATCH_TOKENS, GPU_BATCH_TOKENS
+from .model import FeedForward, Transformer
 
 
 def pick_device(option: str, index: int = 0) -> torch.device:
@@ -58,8 +61,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
 def inference_dtype(dtype: str, device: torch.device) -> str:
     """For decoding: auto is bf16 on CUDA and fp32 on the CPU, where the output is then the
     same however the lines are batched. `--dtype bf16` on a CPU with native bf16 (AMX,
-    AVX512-BF16) converts the weights once and runs beam search 1.1-1.3x faster, BLEU within
-    ±0.05 (benchmarks/README.md), but a few lines may differ with the batching."""
+    AVX512-BF16) converts the weights once and runs beam search faster, BLEU almost unmoved
+    (benchmarks/README.md), but a few lines may differ with the batching."""
     if dtype == "bf16" and device.type == "cpu" and \
             not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         raise AttnError("--dtype bf16: this CPU has no native bf16 matmuls; use fp32")
@@ -68,8 +71,8 @@ def inference_dtype(dtype: str, device: torch.device) -> str:
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and oneDNN may use it
-    (ONEDNN_MAX_CPU_ISA can hold it to AVX2 or AVX-512 core). Without it oneDNN emulates bf16:
-    measured ~18x slower than float32 for training on an AVX2-only CPU."""
+    (ONEDNN_MAX_CPU_ISA can hold it to AVX2 or AVX-512 core). Without it oneDNN emulates bf16,
+    many times slower than float32 (benchmarks/README.md)."""
     limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
     if limit != "ALL" and not any(isa in limit for isa in ("BF16", "AMX", "FP16", "AVX10")):
         return False
@@ -89,9 +92,8 @@ def warn_if_bf16_is_emulated(dtype: str, device: torch.device, command: str) -> 
               "fast choice", file=sys.stderr, flush=True)
     if dtype == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
         print(f"{command}: warning: --dtype bf16 on a CPU without native bf16 (AVX512-BF16 or "
-              "AMX): emulated, about 18x slower than fp32 (measured on an AVX2 CPU); fp32 is the "
-              "fast choice", file=sys.stderr,
-              flush=True)
+              "AMX): oneDNN emulates it, many times slower than fp32; use fp32 (the default) "
+              "here", file=sys.stderr, flush=True)
 
 
 def autocast(device: torch.device, dtype: str):
@@ -101,15 +103,67 @@ def autocast(device: torch.device, dtype: str):
     return torch.autocast(device.type, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
 
 
+# ----------------------------------------------------------------- the model made for inference
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LINEARS = ("dense", "packed", "int8")
+
+
+def inference_model(model: Transformer, device: torch.device, dtype: str = "fp32",
+                    linears: str = "dense") -> Transformer:
+    """A new model computing what `model` computes, for decoding and scoring: on `device`, in
+    eval mode, without gradients, its weights in `dtype` (fp32, bf16, fp16: converted once,
+    rather than cast at every call as autocast does), its linear layers and its output
+    projection `linears`: "dense" (torch's), "packed" (oneDNN's blocked layout, a CPU:
+    `PackedLinear`; dense where this torch build has none) or "int8" (`--int8`, a CPU:
+    `int8_linears`).
+
+    `model` is left as it was, trainable and savable. The new model shares every tensor it
+    takes unchanged (all of them when nothing is converted or packed; else the embeddings), so
+    that a caller dropping `model` keeps a single copy of each weight; training `model` further
+    would change the shared ones."""
+    if linears not in LINEARS:
+        raise ValueError(f"linears must be one of {', '.join(LINEARS)}, not {linears!r}")
+    if linears == "packed" and not packed_linear_works():
+        linears = "dense"
+    config, precision = model.config, TORCH_DTYPES[dtype]
+    state, converted = {}, {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in converted:  # a tied matrix once
+            converted[id(tensor)] = tensor.detach().to(
+                device, precision if tensor.is_floating_point() else None)
+        state[name] = converted[id(tensor)]
+    # The output projection: the target embedding matrix (and bias) as its linear layers
+    projection = None
+    embedding, bias = state["tgt_embed.weight"], state.get("output_bias")
+    if linears == "packed":
+        projection = PackedLinear(embedding, bias)
+    elif linears == "int8":  # made int8 below, with the other linear layers
+        projection = nn.Linear(config.d_model, config.tgt_vocab_size, bias=bias is not None,
+                               device="meta")
+        state["output_projection.weight"] = embedding
+        if bias is not None:
+            state["output_projection.bias"] = bias
+    with torch.device("meta"):  # no memory: the tensors above replace every parameter
+        prepared = Transformer(config, output_projection=projection)
+    prepared.load_state_dict(state, assign=True)
+    # The position table, made on the CPU in float32, joins the weights' device and dtype
+    prepared = prepared.to(device, precision).eval().requires_grad_(False)
+    if linears == "packed":
+        pack_linears(prepared)
+    elif linears == "int8":
+        int8_linears(prepared)
+    return prepared
+
+
 # ------------------------------------------------------------- CPU inference: packed weights
 
 
 class PackedLinear(nn.Module):
     """x W^T + b, then ReLU if asked, through oneDNN with W reordered once into its blocked
-    layout: 10-20% faster than the dense weight's matmul on a big batch and up to 2.5x on a few
-    rows (the end of a search batch), and each row's result is the same whatever the batch
-    size (measured: benchmarks/README.md). Inference only: the weight is a copy, not a
-    parameter."""
+    layout: faster than the dense weight's matmul, most of all on the few rows at the end of a
+    search batch, and each row's result is the same whatever the batch size
+    (benchmarks/README.md). Inference only: the weight is a copy, not a parameter."""
 
     ROWS_HINT = 128  # the batch size oneDNN picks the layout for; any batch size works
 
@@ -128,7 +182,7 @@ class PackedFeedForward(nn.Module):
     """FFN(x) = max(0, x W1 + b1) W2 + b2 with packed weights, the ReLU (or swish) fused into
     the first."""
 
-    def __init__(self, ffn: nn.Module):
+    def __init__(self, ffn: FeedForward):
         super().__init__()
         self.inner = PackedLinear(ffn.inner.weight, ffn.inner.bias, ffn.activation)
         self.outer = PackedLinear(ffn.outer.weight, ffn.outer.bias)
@@ -146,44 +200,33 @@ def packed_linear_works() -> bool:
         return False
 
 
-def pack_for_cpu_inference(model: nn.Module) -> nn.Module:
-    """Swap the model's linear layers (and feed-forward blocks, and the output projection) for
-    packed ones, in place, when this torch build can: for decoding on a CPU, never training."""
-    from .model import FeedForward
-
-    if not packed_linear_works():
-        return model
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, FeedForward):
-                setattr(parent, name, PackedFeedForward(child))
-            elif isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
-    model.output_projection = PackedLinear(model.tgt_embed.weight, model.output_bias)
-    return model
+def pack_linears(module: nn.Module) -> None:
+    """Every linear layer (and feed-forward block) of `module` swapped for its packed
+    counterpart, in place: for the model `inference_model` is making, never a caller's."""
+    for name, child in module.named_children():
+        if isinstance(child, FeedForward):
+            setattr(module, name, PackedFeedForward(child))
+        elif isinstance(child, nn.Linear):
+            setattr(module, name, PackedLinear(child.weight, child.bias))
+        else:
+            pack_linears(child)
 
 
-def quantize_for_cpu_inference(model: nn.Module) -> nn.Module:
-    """`--int8`: every linear layer and the output projection (a copy of the tied embedding;
-    the embedding lookups stay float32) as torch's dynamic int8 linear layers (its quantized
-    engine: fbgemm on x86, qnnpack on ARM): weights int8 per output channel, each call's
-    input quantized to uint8 by its own range, int32 accumulation, float32 output. 2-3x faster
+# ---------------------------------------------------------------------- CPU inference: int8
+
+
+def int8_linears(module: nn.Module) -> None:
+    """`--int8`: every linear layer of `module` as torch's dynamic int8 linear layer, in place
+    (for the model `inference_model` is making, never a caller's). Its quantized engine
+    (fbgemm on x86, qnnpack on ARM) keeps weights int8 per output channel, quantizes each
+    call's input to uint8 by its own range, accumulates in int32 and returns float32. Faster
     than the float32 matmuls on the shapes of a search; an option, never the default: the
     input's range, and so a row's result, depends on the rows batched with it, and the BLEU
-    moves (benchmarks/README.md)."""
-    import warnings
-
+    moves (benchmarks/README.md). The output projection is an int8 copy of the tied embedding
+    matrix, whose lookups stay float32."""
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-    projection = nn.Linear(model.config.d_model, model.config.tgt_vocab_size,
-                           bias=model.output_bias is not None)
-    with torch.no_grad():
-        projection.weight.copy_(model.tgt_embed.weight)
-        if model.output_bias is not None:
-            projection.bias.copy_(model.output_bias)
-    model.output_projection = projection
     with warnings.catch_warnings():  # torch marks eager quantization as moving to torchao
         warnings.simplefilter("ignore")
-        quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8,
+        quantize_dynamic(module, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8,
                          inplace=True)
-    return model

@@ -6,9 +6,9 @@ decoder's hidden states and the (shared) output matrix, with the gradients worke
 pass. The logits of a whole batch (4,096 targets × 8,000 pieces: 131 MB in float32) never exist
 at once, and the passes over them that autograd would make (log-softmax forward and backward, a
 one-hot fill, the sum of the two losses' gradients) shrink to a log-softmax, an exp and one
-subtraction per target: on a 2-core CPU the loss of a 4,096-token batch, a third of a `small`
-training step, took 2.2 times less time (benchmarks/README.md). `label_smoothed_loss` stays as the
-formula the fused one is tested against.
+subtraction per target: less memory traffic in what is, on a CPU, a large share of a small
+model's training step (benchmarks/README.md). `label_smoothed_loss` stays as the formula the
+fused one is tested against.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Logits held at once: ~2M on a CPU (a block of rows that stays in cache between its passes,
-# measured fastest at 8000 pieces), ~64M on a GPU (few, large kernels).
+# Logits held at once: ~2M on a CPU (a block of rows that stays in cache between its passes;
+# benchmarks/README.md has the sizes tried), ~64M on a GPU (few, large kernels).
 CPU_LOGITS_PER_BLOCK = 2 ** 21
 GPU_LOGITS_PER_BLOCK = 2 ** 26
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -18,12 +18,15 @@ from .config import ModelConfig
 from .loss import label_smoothed_loss, projected_label_smoothed_loss
 
 
-def sinusoidal_positions(length: int, d_model: int) -> Tensor:
+def sinusoidal_positions(length: int, d_model: int, start: int = 0) -> Tensor:
     """§3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model)),
-    PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)). A constant, always computed on the CPU (also
-    for a model built on the meta device to be loaded: files do not hold it)."""
+    PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)), for the `length` positions from `start`. A
+    constant, always computed on the CPU (also for a model built on the meta device to be
+    loaded: files do not hold it). Each value depends on its position only: rows computed alone
+    equal those of a longer table."""
     cpu = torch.device("cpu")
-    position = torch.arange(length, dtype=torch.float64, device=cpu).unsqueeze(1)  # (L, 1)
+    position = torch.arange(start, start + length, dtype=torch.float64,
+                            device=cpu).unsqueeze(1)  # (L, 1)
     two_i = torch.arange(0, d_model, 2, dtype=torch.float64, device=cpu)  # (D/2,)
     angle = position / torch.pow(10000.0, two_i / d_model)  # (L, D/2)
     table = torch.empty(length, d_model, dtype=torch.float64, device=cpu)
@@ -34,10 +37,11 @@ def sinusoidal_positions(length: int, d_model: int) -> Tensor:
 
 class Dropout(nn.Dropout):
     """§5.4 residual dropout. On a CPU the mask comes from 16-bit slices of the generator's
-    64-bit words, compared with round(p · 2^16): 2-3x faster than torch's Bernoulli sampler,
-    which drew a float per element and took 7% of a `small` training step. The drop rate is p
-    to within 2^-17, and the kept values are scaled by the exact 1 / (1 - rate). The mask
-    depends on the torch seed only, as before; CUDA keeps torch's fused dropout."""
+    64-bit words, compared with round(p · 2^16): four draws per random word instead of the
+    float per element torch's Bernoulli sampler draws, a visible share of a small model's
+    training step. The drop rate is p to within 2^-17, and the kept values are scaled by the
+    exact 1 / (1 - rate). The mask depends on the torch seed only; CUDA keeps torch's fused
+    dropout."""
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0.0 or x.device.type != "cpu":
@@ -83,22 +87,20 @@ class MultiHeadAttention(nn.Module):
         else:
             self.qkv_proj = nn.Linear(config.d_model, 2 * q_width + v_width, bias=bias)
         self.out_proj = nn.Linear(v_width, config.d_model, bias=bias)
-        # A list to append each call's attention weights to (B, H, Lq, Lk), for attention maps
-        # (`attn decode --attention`); None: not recorded, the fused kernels run.
-        self.recorded: list[Tensor] | None = None
 
     def forward(self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None,
-                causal: bool = False) -> Tensor:
+                causal: bool = False, weights: list[Tensor] | None = None) -> Tensor:
         """§3.2.3's three uses: queries from x (B, L, D); keys and values from the encoder
         output `memory` (B, S, D) in encoder-decoder attention, from x itself in self-attention.
         `mask` is True where a key may be attended (padding is not); `causal`: each position
-        attends to itself and those before it (the decoder's self-attention)."""
+        attends to itself and those before it (the decoder's self-attention). `weights`, if
+        given, gets the attention weights (B, H, Lq, Lk) appended (attention maps)."""
         if self.cross:
             queries = self._split_heads(self.q_proj(x), self.d_k)
             keys, values = self.project_memory(memory)
         else:
             queries, keys, values = self.project_self(x)
-        return self.attend(queries, keys, values, mask, causal)
+        return self.attend(queries, keys, values, mask, causal, weights)
 
     # ------------------------------------------------------------ the parts, for decoding speed
 
@@ -114,8 +116,8 @@ class MultiHeadAttention(nn.Module):
 
     def memory_for_steps(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """`project_memory` for `attend_memory`: the keys transposed, (B, H, d, S), so that each
-        decoding step's Q K^T is a plain matmul, 2x faster than one reading K^T through strides
-        when the K beams of a source query it together."""
+        decoding step's Q K^T is a plain matmul over contiguous memory rather than one reading
+        K^T through strides, when the K beams of a source query it together."""
         keys, values = self.project_memory(memory)
         return keys.transpose(-1, -2).contiguous(), values.contiguous()
 
@@ -126,14 +128,17 @@ class MultiHeadAttention(nn.Module):
                 self._split_heads(values, self.d_v))
 
     def attend(self, queries: Tensor, keys: Tensor, values: Tensor,
-               mask: Tensor | None = None, causal: bool = False) -> Tensor:
+               mask: Tensor | None = None, causal: bool = False,
+               weights: list[Tensor] | None = None) -> Tensor:
         """Scaled dot-product attention over heads; `mask` is True where a key may be attended.
         A single query position (a decoding step) takes `attention_written_out`: for so few
-        queries two batched matmuls are 2-4x faster than the fused kernels on a CPU."""
-        if self.recorded is not None:
-            weights = attention_weights(queries, keys.transpose(-1, -2), mask, causal)
-            self.recorded.append(weights)
-            context = torch.matmul(weights.to(values.dtype), values)
+        queries two batched matmuls are faster than the fused kernels on a CPU. With `weights`
+        (attention maps) the softmax is written out too, and appended to it: the fused kernels
+        do not give it."""
+        if weights is not None:
+            found = attention_weights(queries, keys.transpose(-1, -2), mask, causal)
+            weights.append(found)
+            context = torch.matmul(found.to(values.dtype), values)
         elif queries.shape[2] == 1 and not causal and not self.training:
             context = attention_written_out(queries, keys.transpose(-1, -2), values, mask)
         else:
@@ -224,6 +229,16 @@ class Sublayers(nn.Module):
         return y if self.pre_norm else self.norms[index](y)
 
 
+@dataclass
+class AttentionWeights:
+    """Attention maps: each layer's softmax(Q K^T / sqrt(d_k)), (B, H, Lq, Lk), appended in
+    layer order by the teacher-forced `encode` and `decode` it is given to."""
+
+    encoder: list[Tensor] = field(default_factory=list)  # the encoder's self-attention
+    decoder: list[Tensor] = field(default_factory=list)  # the decoder's masked self-attention
+    cross: list[Tensor] = field(default_factory=list)  # encoder-decoder attention
+
+
 class EncoderLayer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -231,8 +246,10 @@ class EncoderLayer(nn.Module):
         self.ffn = FeedForward(config)
         self.sub = Sublayers(config, 2)
 
-    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:  # (B, S, D)
-        x = self.sub.after(0, x, self.self_attn(self.sub.before(0, x), mask=src_mask))
+    def forward(self, x: Tensor, src_mask: Tensor,
+                weights: AttentionWeights | None = None) -> Tensor:  # (B, S, D)
+        x = self.sub.after(0, x, self.self_attn(self.sub.before(0, x), mask=src_mask,
+                                                weights=weights and weights.encoder))
         return self.sub.after(1, x, self.ffn(self.sub.before(1, x)))
 
 
@@ -244,11 +261,14 @@ class DecoderLayer(nn.Module):
         self.ffn = FeedForward(config)
         self.sub = Sublayers(config, 3)
 
-    def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor,
+                weights: AttentionWeights | None = None) -> Tensor:
         """Teacher forcing: x (B, T, D) attends causally to itself, then to the encoder output
         `memory` (B, S, D)."""
-        x = self.sub.after(0, x, self.self_attn(self.sub.before(0, x), causal=True))
-        x = self.sub.after(1, x, self.cross_attn(self.sub.before(1, x), memory, mask=src_mask))
+        x = self.sub.after(0, x, self.self_attn(self.sub.before(0, x), causal=True,
+                                                weights=weights and weights.decoder))
+        x = self.sub.after(1, x, self.cross_attn(self.sub.before(1, x), memory, mask=src_mask,
+                                                 weights=weights and weights.cross))
         return self.sub.after(2, x, self.ffn(self.sub.before(2, x)))
 
     def step(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor,
@@ -281,9 +301,10 @@ def grow_cache(past: Tensor, new: Tensor, rows: Tensor | None = None,
     copy: selecting the rows and appending the new position write straight into the result
     (index_select then cat would copy the whole cache twice per step). The result is a
     contiguous view of the flat buffer `spare` when that is large enough, else of a new one a
-    quarter larger than needed; returns it and its buffer. Fresh memory each step is what a
-    beam-21 parse spent its time on: a cache past 32 MB is a new mmap every step, its pages
-    faulted in one by one (7x slower than copying into memory already used)."""
+    quarter larger than needed; returns it and its buffer. Fresh memory each step would be
+    slow for a large cache (a long parse's with a wide beam): past glibc's mmap threshold (at
+    most 32 MB) every step maps new memory, its pages faulted in one by one, where copying into
+    memory already used touches no new page."""
     batch, heads, length, width = past.shape
     shape = (new.shape[0], heads, length + 1, width)
     size = math.prod(shape)
@@ -340,8 +361,7 @@ class Embedding(nn.Embedding):
     """nn.Embedding that draws no weights on the meta device. A model to be loaded from a file is
     built there (modelfile.load_model: no memory, nothing drawn that the file replaces), and
     normal_ on a meta tensor runs torch's Python reference kernel, whose first call imports
-    torch._dynamo: it made loading a model 40 times slower (benchmarks/README.md, the rework's
-    check)."""
+    torch._dynamo: slower than all the rest of the load together."""
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:
@@ -352,7 +372,7 @@ class Transformer(nn.Module):
     """§3.1 encoder-decoder. `forward` is teacher-forced; `encode` + `start_decoding` +
     `decode_step` are the incremental path used by search."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, output_projection: nn.Module | None = None):
         super().__init__()
         self.config = config
         d_model = config.d_model
@@ -378,14 +398,17 @@ class Transformer(nn.Module):
         # An option (imported models): a bias added to the logits.
         self.output_bias = nn.Parameter(torch.zeros(config.tgt_vocab_size)) \
             if config.output_bias else None
-        # Set by `devices.pack_for_cpu_inference`: the output projection in a faster layout.
-        self.output_projection: nn.Module | None = None
+        # §3.4's pre-softmax projection is the target embedding matrix (`output_logits`); a
+        # model built for decoding may be given that matrix (and the bias) in the form its other
+        # linear layers take, packed or int8 (devices.inference_model).
+        self.output_projection = output_projection
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         if self.tgt_embed.weight.is_meta:  # built to be loaded: see Embedding
             return
-        for module in self.modules():
+        # The layers' linear maps (a given output projection is the embedding matrix, loaded)
+        for module in [*self.encoder_layers.modules(), *self.decoder_layers.modules()]:
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
                 if module.bias is not None:
@@ -406,11 +429,12 @@ class Transformer(nn.Module):
                 raise ValueError(f"sequence of {end} positions is longer than the "
                                  f"{self.config.max_positions} learned positions")
             return self.learned_positions.weight[start:end]
-        if end > self.sinusoids.shape[0]:  # a long search: the table grows, once per doubling,
-            # in the table's device and dtype (a bf16 model's positions must stay bf16)
-            grown = sinusoidal_positions(max(end, 2 * self.sinusoids.shape[0]), self.config.d_model)
-            self.sinusoids = grown.to(self.sinusoids)
-        return self.sinusoids[start:end]
+        if end <= self.sinusoids.shape[0]:
+            return self.sinusoids[start:end]
+        # Past the table (a long search): these rows computed, in the table's device and dtype
+        # (a bf16 model's positions stay bf16), and not stored: a forward pass changes no state
+        # of the model, which several searches may run at once.
+        return sinusoidal_positions(length, self.config.d_model, start).to(self.sinusoids)
 
     def embed(self, embedding: nn.Embedding, tokens: Tensor, start: int = 0) -> Tensor:
         """§3.4-3.5: Dropout(sqrt(d_model) · E[tokens] + PE)."""
@@ -420,27 +444,31 @@ class Transformer(nn.Module):
     def padding_mask(self, src_tokens: Tensor) -> Tensor:
         return (src_tokens != self.config.pad_id)[:, None, None, :]  # (B, 1, 1, S)
 
-    def encode(self, src_tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """src_tokens (B, S) → memory (B, S, D) and the source mask (B, 1, 1, S)."""
+    def encode(self, src_tokens: Tensor, weights: AttentionWeights | None = None
+               ) -> tuple[Tensor, Tensor]:
+        """src_tokens (B, S) → memory (B, S, D) and the source mask (B, 1, 1, S); `weights`,
+        if given, gets each layer's attention weights."""
         src_mask = self.padding_mask(src_tokens)
         x = self.embed(self.src_embed, src_tokens)
         for layer in self.encoder_layers:
-            x = layer(x, src_mask)
+            x = layer(x, src_mask, weights)
         if self.config.norm == "pre":
             x = self.encoder_norm(x)
         return x, src_mask
 
     def output_logits(self, hidden: Tensor) -> Tensor:
         """Pre-softmax projection, sharing the target embedding matrix: (..., D) → (..., V)."""
-        if self.output_projection is not None:  # the same matrix, prepared for inference
+        if self.output_projection is not None:  # the same matrix, given in another form
             return self.output_projection(hidden)
         return F.linear(hidden, self.tgt_embed.weight, self.output_bias)
 
-    def decode(self, tgt_input: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
-        """Teacher-forced decoder: tgt_input (B, T) → hidden states (B, T, D)."""
+    def decode(self, tgt_input: Tensor, memory: Tensor, src_mask: Tensor,
+               weights: AttentionWeights | None = None) -> Tensor:
+        """Teacher-forced decoder: tgt_input (B, T) → hidden states (B, T, D); `weights`, if
+        given, gets each layer's attention weights."""
         x = self.embed(self.tgt_embed, tgt_input)
         for layer in self.decoder_layers:
-            x = layer(x, memory, src_mask)
+            x = layer(x, memory, src_mask, weights)
         return self.decoder_norm(x) if self.config.norm == "pre" else x
 
     def forward(self, src_tokens: Tensor, tgt_input: Tensor,

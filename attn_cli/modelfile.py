@@ -100,6 +100,15 @@ def read_model_header(path: str | os.PathLike) -> tuple[stfile.Header, ModelConf
     return header, config
 
 
+def init_config(init: str | os.PathLike) -> ModelConfig:
+    """The network of the model file `attn train --init` starts from (its header only: no
+    weights read), for the check of a --preset given beside it and for --dry-run."""
+    try:
+        return read_model_header(init)[1]
+    except AttnError as error:
+        raise AttnError(f"--init: {error}") from None
+
+
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedModel:
     """Load a model file; every way it can be wrong is an AttnError naming the file."""
     from safetensors import SafetensorError
@@ -125,7 +134,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> L
         raise AttnError(f"model file {path} is corrupt: its vocabulary ({len(src_vocab)}/"
                         f"{len(tgt_vocab)} pieces) does not match its config "
                         f"({config.src_vocab_size}/{config.tgt_vocab_size})")
-    # Built on the meta device: no memory and no random weights drawn (seconds for `big`) for
+    # Built on the meta device: no memory and no random weights drawn (slow for `big`) for
     # what the file overwrites; load_state_dict(assign=True) then takes the file's tensors.
     with torch.device("meta"):
         model = Transformer(config)

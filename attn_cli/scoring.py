@@ -9,11 +9,14 @@ reports (padding excluded, EOS included, no label smoothing). Trees are scored b
 
 from __future__ import annotations
 
+import json
 import math
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from . import compound_bleu
-from .errors import AttnError
+from .errors import AttnError, batch_must_fit
 from .files import STRICT, Utf8Policy, display_name, read_raw_lines
 from .formats import BATCH_TOKENS, COMPOUND_SPLIT, TOKENIZERS
 
@@ -114,10 +117,80 @@ def _sacrebleu_tokenizer(tokenize: str) -> str:
     return "13a" if tokenize == COMPOUND_SPLIT else tokenize
 
 
+def text_score_lines(hypotheses_path: str, references_path: str, metrics: list[str],
+                     tokenize: str = "13a", lowercase: bool = False,
+                     sentence_level: bool = False, policy: Utf8Policy = STRICT,
+                     as_json: bool = False) -> Iterator[str]:
+    """`attn score --ref`'s output: with `sentence_level`, a line per line (the first metric's
+    score), else a line per metric (sacrebleu's, with its signature), as text or JSON. A line
+    `policy` refuses ends the output with its error: after the lines of the lines before it,
+    and with no corpus score (it would be the score of part of the corpus)."""
+    hypotheses, references, bad_line = read_parallel(hypotheses_path, references_path, policy)
+    if sentence_level:
+        name = metrics[0]
+        scores = sentence_scores(hypotheses, references, name, tokenize, lowercase)
+        for number, value in enumerate(scores, start=1):
+            yield _json_line({"line": number, name: round(value, 4)}) if as_json \
+                else f"{value:.4f}"
+    elif bad_line is None:
+        results = text_scores(hypotheses, references, metrics, tokenize, lowercase)
+        if as_json:
+            yield _json_line({result.name: {"score": round(result.score, 4),
+                                            "signature": result.signature,
+                                            "text": result.text} for result in results})
+        else:
+            yield from (result.line() for result in results)
+    if bad_line is not None:
+        raise bad_line
+
+
+def _json_line(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
 @dataclass
 class ForcedScore:
     log_prob: float  # natural log, EOS included
     tokens: int  # target subwords + EOS
+
+
+@dataclass
+class ForcedScores:
+    """What `attn score -m` reports: each pair's score, in order, and the summary."""
+
+    scores: list[ForcedScore]
+    seconds: float  # loading the models and scoring
+    # The line strict UTF-8 refused, which ended the reading: the pairs before it are scored.
+    bad_line: AttnError | None = None
+
+    def lines(self, as_json: bool = False) -> Iterator[str]:
+        """A line per pair, log-prob and token count, as text or JSON; then a bad line's
+        error."""
+        for number, score in enumerate(self.scores, start=1):
+            yield _json_line({"line": number, "log_prob": round(score.log_prob, 4),
+                              "tokens": score.tokens}) if as_json \
+                else f"{score.log_prob:.4f}\t{score.tokens}"
+        if self.bad_line is not None:
+            raise self.bad_line
+
+    def summary(self) -> str:
+        """The line for stderr: pairs, target tokens, the corpus perplexity, the time."""
+        tokens = sum(score.tokens for score in self.scores)
+        return (f"score: {len(self.scores)} pairs, {tokens} target tokens (EOS included), "
+                f"perplexity {perplexity(self.scores):.4f} in {self.seconds:.1f}s")
+
+
+def score_files_with_model(model_paths: list, sources_path: str, targets_path: str,
+                           device: str = "auto", dtype: str = "auto",
+                           batch_tokens: int = BATCH_TOKENS, threads: int = 0,
+                           policy: Utf8Policy = STRICT) -> ForcedScores:
+    """`attn score -m MODEL SRC TGT`: the pairs of two files read (`read_parallel`) and
+    scored by `score_with_model`."""
+    sources, targets, bad_line = read_parallel(sources_path, targets_path, policy)
+    started = time.perf_counter()
+    scores = score_with_model(model_paths, sources, targets, device, dtype, batch_tokens,
+                              threads)
+    return ForcedScores(scores, time.perf_counter() - started, bad_line)
 
 
 def score_with_model(model_paths: list, sources: list[str], targets: list[str],
@@ -140,7 +213,7 @@ def force_decode(models: list, sources: list[str], targets: list[str], device, d
     import torch
 
     from .batching import collate_pairs, token_budget_batches
-    from .devices import autocast
+    from .devices import autocast, inference_model
     from .ensemble import Ensemble
 
     first = models[0]
@@ -149,8 +222,11 @@ def force_decode(models: list, sources: list[str], targets: list[str], device, d
     tgt_ids = first.tgt_vocab.encode(targets)
     results: list[ForcedScore | None] = [None] * len(sources)
     lengths = [max(len(s) + 1, len(t) + 1) for s, t in zip(src_ids, tgt_ids)]  # + EOS, BOS
-    ensemble = Ensemble([member.model.to(device).eval() for member in models])
-    with torch.no_grad():
+    # float32 weights, autocast running `dtype`: the models' own tensors (nothing copied when
+    # they are float32 on `device` already, as load_models gives them), the models unchanged
+    ensemble = Ensemble([inference_model(member.model, device) for member in models])
+    with torch.no_grad(), batch_must_fit(f"batches of {batch_tokens} tokens",
+                                         f"lower --batch-tokens ({batch_tokens})"):
         for batch in token_budget_batches(lengths, batch_tokens):
             collated = collate_pairs([(src_ids[i], tgt_ids[i]) for i in batch], config.bos_id,
                                      config.eos_id, config.pad_id).to(device)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
 import math
 import os
 import queue
@@ -24,23 +23,42 @@ from dataclasses import dataclass
 import torch
 
 from .batching import pad_sequences, source_budget, token_budget_batches
-from .devices import (
-    inference_dtype,
-    pack_for_cpu_inference,
-    quantize_for_cpu_inference,
-    search_batch_tokens,
-)
+from .devices import inference_dtype, inference_model, search_batch_tokens
 from .ensemble import Ensemble, load_models
-from .errors import AttnError
+from .errors import AttnError, batch_must_fit
 from .files import STRICT, Utf8Policy
 from .formats import BUFFER_SIZE, MAX_SOURCE_TOKENS, TRANSLATION, Stop
 from .modelfile import LoadedModel
 from .search import Hypothesis, beam_search, output_limits, sample, sentence_uniforms
 
+# Each numeric setting's range: (lowest, highest, whether the lowest itself is allowed); None: no
+# bound. The one check of them, for every caller: the library, `attn serve`'s requests (whose
+# fields have these names, as the messages do) and the commands (whose options Typer bounds
+# first, where it can: not a float's finiteness, nor a lowest value excluded).
+RANGES = {"beam": (1, None, True), "nbest": (1, None, True), "alpha": (0.0, None, True),
+          "max_len_a": (0.0, None, True), "max_len_b": (0, None, True),
+          "topk": (0, None, True), "topp": (0, 1, False), "temperature": (0, None, False),
+          "batch_tokens": (1, None, True), "buffer_size": (1, None, True),
+          "workers": (1, None, True), "worker_threads": (1, None, True)}
+
+
+def check_range(name: str, value) -> None:
+    """`value` within RANGES[name] (a float also finite), or an AttnError naming the field."""
+    if value is None:  # batch_tokens: chosen for the device later
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise AttnError(f"{name} must be a finite number")
+    lowest, highest, lowest_allowed = RANGES[name]
+    if lowest is not None and (value < lowest or (value == lowest and not lowest_allowed)):
+        raise AttnError(f"{name} must be {'at least' if lowest_allowed else 'above'} {lowest}")
+    if highest is not None and value > highest:
+        raise AttnError(f"{name} must be at most {highest}")
+
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """How `attn decode` and `attn parse` search (or sample), checked as they are made."""
+    """How `attn decode` and `attn parse` search (or sample), checked as they are made: each
+    setting's range (RANGES), then the settings that go together."""
 
     beam: int = TRANSLATION.beam
     alpha: float = TRANSLATION.alpha
@@ -62,11 +80,11 @@ class DecodeOptions:
     worker_threads: int = 1  # torch threads of each of those
 
     def __post_init__(self) -> None:
+        for name in RANGES:
+            check_range(name, getattr(self, name))
         if self.sample and self.nbest > 1:
             raise AttnError("--nbest needs beam search, not --sample (sample again with "
                             "another --seed for more outputs)")
-        if self.topp <= 0.0 or self.temperature <= 0.0:
-            raise AttnError("--topp and --temperature must be above 0")
         if (self.topk or self.topp < 1.0 or self.temperature != 1.0) and not self.sample:
             raise AttnError("--topk, --topp and --temperature apply to --sample only")
 
@@ -172,26 +190,30 @@ def _unlocked_lines(stream) -> Iterator[bytes]:
         yield b"".join(pending)
 
 
+# An empty (or blank) line's output, without a search: one empty hypothesis of score 0.
+EMPTY_LINE = Hypothesis([], 0.0, 0.0)
+# What fills a line's nbest outputs past those the search found.
+NOT_FOUND = Hypothesis([], -math.inf, -math.inf)
+
+
 class Translator:
-    """A loaded model (or several: an ensemble) plus the search settings: lines in,
-    hypotheses out."""
+    """Models made for decoding (one, or several: an ensemble) plus the search settings: lines
+    in, hypotheses out."""
 
     def __init__(self, loaded: LoadedModel, options: DecodeOptions, device: torch.device,
                  dtype: str = "fp32", warn=None, constraint_for=None,
                  ensemble: list[LoadedModel] = (), int8: bool = False):
-        self.loaded, self.options, self.device = loaded, options, device
-        # Inference in bf16/fp16 converts the weights once (no per-call autocast casts): on a
-        # CPU with native bf16 (AMX, AVX512-BF16) beam search runs 1.1-1.3x faster
-        # (devices.inference_dtype).
-        precision = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-        models = []
-        for member in (loaded, *ensemble):
-            model = member.model.to(device=device, dtype=precision[dtype]).eval()
-            if int8:  # `--int8`: int8 linear layers instead of the packed float32 ones
-                quantize_for_cpu_inference(model)
-            elif device.type == "cpu":
-                pack_for_cpu_inference(model)
-            models.append(model)
+        self.options, self.device = options, device
+        # Of the loaded models the translator keeps what lines in and out need (the first
+        # one's config, for the special ids, and vocabularies: an ensemble shares them) and a
+        # copy of each made for decoding (devices.inference_model), not the models themselves:
+        # those stay as they were, and their weights are freed when the caller drops them.
+        self.config, self.src_vocab, self.tgt_vocab = (loaded.config, loaded.src_vocab,
+                                                       loaded.tgt_vocab)
+        # `--int8`: int8 linear layers; else oneDNN's packed ones on a CPU, torch's on a GPU
+        linears = "int8" if int8 else "packed" if device.type == "cpu" else "dense"
+        models = [inference_model(member.model, device, dtype, linears)
+                  for member in (loaded, *ensemble)]
         self.model = models[0] if len(models) == 1 else Ensemble(models)
         # Longest source the models take: their positions (learned) or any sane length, EOS
         # included; the target side also needs max_len_a·|x| + b positions.
@@ -207,9 +229,9 @@ class Translator:
 
     def _workers(self) -> ThreadPoolExecutor:
         """Threads that each search one batch at a time. On a CPU, W batches side by side with
-        T/W torch threads each beat one batch at a time with T threads (1.4-1.7x on 2 cores:
-        a step's small matmuls and its Python bookkeeping leave a multi-threaded op's helper
-        threads idle). Torch ops release the GIL, so threads suffice."""
+        T/W torch threads each beat one batch at a time with T threads: a step's small matmuls
+        and its Python bookkeeping leave a multi-threaded op's helper threads idle. Torch ops
+        release the GIL, so threads suffice."""
         if self._pool is None:
             threads = self.options.worker_threads
             self._pool = ThreadPoolExecutor(self.options.workers, "attn-search",
@@ -233,8 +255,8 @@ class Translator:
                ) -> list[list[int]]:
         """Source ids of each line, EOS appended, cut to the models' limit (`where` names the
         lines' origin in the warning)."""
-        ids = self.loaded.src_vocab.encode(lines)
-        eos = self.loaded.config.eos_id
+        ids = self.src_vocab.encode(lines)
+        eos = self.config.eos_id
         for offset, sequence in enumerate(ids):
             if len(sequence) > self.max_source:
                 self.warn(f"{where}: line {first_line + offset}: {len(sequence)} tokens, "
@@ -248,27 +270,30 @@ class Translator:
                line_numbers: list[int] | None = None) -> list[list[Hypothesis]]:
         """Hypotheses of each sentence `ids`; sampling draws a sentence's random numbers from
         the seed and its `line_numbers` entry (default: its place in `ids`)."""
-        src = pad_sequences(ids, self.loaded.config.pad_id).to(self.device)
+        src = pad_sequences(ids, self.config.pad_id).to(self.device)
         options = self.options
-        if options.sample:
-            limits = output_limits(src, self.loaded.config.pad_id, options.max_len_a,
-                                   options.max_len_b, self.longest_output)
-            uniforms = sentence_uniforms(options.seed, line_numbers or list(range(len(ids))),
-                                         int(limits.max()))
-            return sample(self.model, src, uniforms, options.temperature, options.topk,
-                          options.topp, options.max_len_a, options.max_len_b,
-                          longest=self.longest_output)
-        return beam_search(self.model, src, beam=options.beam, alpha=options.alpha,
-                           max_len_a=options.max_len_a, max_len_b=options.max_len_b,
-                           nbest=options.nbest, longest=self.longest_output,
-                           constraint=constraint, stop=options.stop)
+        with batch_must_fit(f"search batches of {options.batch_tokens} source tokens × beam",
+                            f"lower --batch-tokens ({options.batch_tokens})"):
+            if options.sample:
+                limits = output_limits(src, self.config.pad_id, options.max_len_a,
+                                       options.max_len_b, self.longest_output)
+                uniforms = sentence_uniforms(options.seed,
+                                             line_numbers or list(range(len(ids))),
+                                             int(limits.max()))
+                return sample(self.model, src, uniforms, options.temperature, options.topk,
+                              options.topp, options.max_len_a, options.max_len_b,
+                              longest=self.longest_output)
+            return beam_search(self.model, src, beam=options.beam, alpha=options.alpha,
+                               max_len_a=options.max_len_a, max_len_b=options.max_len_b,
+                               nbest=options.nbest, longest=self.longest_output,
+                               constraint=constraint, stop=options.stop)
 
     def translate_window(self, lines: list[str], first_line: int) -> list[list[Hypothesis]]:
-        """Hypotheses for every line, in input order; an empty line gets one empty hypothesis."""
+        """Hypotheses for every line, in input order; an empty line gets [EMPTY_LINE]."""
         results: list[list[Hypothesis] | None] = [None] * len(lines)
         todo = [i for i, line in enumerate(lines) if line.strip()]
         for i in set(range(len(lines))) - set(todo):
-            results[i] = [Hypothesis([], 0.0, 0.0)]
+            results[i] = [EMPTY_LINE]
         if todo:
             ids = self.encode([lines[i] for i in todo], first_line)
             lengths = [len(sequence) for sequence in ids]
@@ -295,20 +320,24 @@ class Translator:
                 for text in self.format(index, hypotheses)]
 
     def detokenize(self, hypotheses: list[Hypothesis]) -> list[str]:
-        vocab = self.loaded.tgt_vocab
+        vocab = self.tgt_vocab
         if self.options.raw:
             return [" ".join(vocab.piece(t) for t in h.tokens)
                     for h in hypotheses]
         return vocab.decode([h.tokens for h in hypotheses])
 
+    def outputs(self, hypotheses: list[Hypothesis]) -> list[tuple[Hypothesis, str]]:
+        """A line's outputs, each hypothesis with its text: the best, or with nbest K always K,
+        those the search did not find empty with score -inf (`attn decode --nbest K` prints K
+        lines per line, and `attn serve` answers K texts)."""
+        found = list(zip(hypotheses, self.detokenize(hypotheses)))
+        return found + [(NOT_FOUND, "")] * (self.options.nbest - len(found))
+
     def format(self, index: int, hypotheses: list[Hypothesis]) -> Iterable[str]:
-        texts = self.detokenize(hypotheses)
+        outputs = self.outputs(hypotheses)
         if self.options.nbest == 1:
-            return [texts[0]]
-        padded = list(zip(hypotheses, texts))
-        while len(padded) < self.options.nbest:  # always K lines per input
-            padded.append((Hypothesis([], -math.inf, -math.inf), ""))
-        return [f"{index}\t{h.score:.4f}\t{text}" for h, text in padded]
+            return [outputs[0][1]]
+        return [f"{index}\t{h.score:.4f}\t{text}" for h, text in outputs]
 
 
 def search_workers(threads: int, workers: int, device: torch.device) -> tuple[int, int]:
@@ -326,7 +355,7 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
     """A model file (a list of them: an ensemble) made ready to decode: the device (auto: a GPU
     when torch sees one), the precision (auto: bf16 on CUDA, fp32 on a CPU), the CPU threads (0:
     every core), how many batches are searched side by side (0: auto) and, with `int8`, the
-    linear layers as int8 ones (a CPU only: `devices.quantize_for_cpu_inference`), with the
+    linear layers as int8 ones (a CPU only: `devices.int8_linears`), with the
     search settings of `DecodeOptions` (beam, alpha, max_len_a, max_len_b, nbest, batch_tokens,
     ...).
     `constraint_for(loaded model)`, if given, makes the search constraint's factory for that
@@ -353,17 +382,6 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
     return Translator(loaded, settings, chosen, inference_dtype(dtype, chosen), warn=warn,
                       constraint_for=constraint_for(loaded) if constraint_for else None,
                       ensemble=ensemble, int8=int8)
-
-
-def keep_loaded() -> None:
-    """For a process that decodes with what it has loaded until it ends (`attn decode`,
-    `parse`, `serve`): every object alive now out of the garbage collector's full collections,
-    which otherwise walk all of torch's and the model's objects, ~90 ms each, once or more per
-    1000-line file (measured: 4% of a greedy decode); then the collector on (`cli.main` starts
-    these commands without it). Not done by `load_translator` itself: a program loading and
-    dropping models would keep their cyclic garbage."""
-    gc.freeze()
-    gc.enable()
 
 
 def run(translator: Translator, stream, out, name: str = "<stdin>", render=None,

@@ -11,13 +11,16 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import os
 import re
 import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_DATA = REPO_ROOT / "examples" / "multi30k" / "data"  # Multi30k en-de, gzipped
-SHARED = REPO_ROOT.parent / "shared"  # data and peers beside the checkout (the PTB sample)
+# What may not be committed (the Penn Treebank sample is licensed for non-commercial use only)
+# and the peers' setup notes: $ATTN_SHARED, or a `shared` directory beside the checkout.
+SHARED = Path(os.environ.get("ATTN_SHARED") or REPO_ROOT.parent / "shared")
 
 
 def log(message: str = "") -> None:

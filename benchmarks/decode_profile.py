@@ -17,6 +17,7 @@ show that a change to the search is byte-identical.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -46,7 +47,7 @@ def main() -> None:
     parser.add_argument("--write", help="Write the outputs here.")
     args = parser.parse_args()
 
-    from attn_cli.translate import keep_loaded, load_translator
+    from attn_cli.translate import load_translator
 
     torch.set_num_threads(1)
     options = {} if args.alpha is None else {"alpha": args.alpha}
@@ -63,7 +64,7 @@ def main() -> None:
         beam = args.beam or TRANSLATION.beam
     translator = load_translator(args.model, beam=beam, nbest=args.nbest, device="cpu",
                                  threads=1, workers=1, int8=args.int8, **options)
-    keep_loaded()  # as `attn decode` does
+    gc.freeze()  # as `attn decode` does once its model is loaded (cli._collector_on)
     if args.src:
         with open(args.src, encoding="utf-8") as source:
             lines = source.read().splitlines()[:args.lines]

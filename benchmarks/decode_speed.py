@@ -66,7 +66,7 @@ def decode(model: str, source: str, beam: int, extra: list[str]) -> dict:
 
 def startup(model: str, repeats: int, extra: list[str]) -> dict:
     """Wall seconds of `python -c "import torch"` and of a one-sentence decode, alternated,
-    after one untimed pair, as `farm-bench --vs` does (the first of each reads its files
+    after one untimed pair, as A/B timers do (the first of each reads its files
     from a cold page cache when another program ran before)."""
     torch_s, decode_s = [], []
     for round_ in range(repeats + 1):

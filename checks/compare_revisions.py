@@ -143,7 +143,8 @@ class Checkout:
         return ran
 
     def verify(self) -> None:
-        """PYTHONPATH must win over the venv's editable install (which points at /work/main)."""
+        """PYTHONPATH must win over an installed attn (an editable install points at one
+        checkout, whichever it is)."""
         self.cwd.mkdir(parents=True, exist_ok=True)
         done = subprocess.run([sys.executable, "-c", "import attn_cli; print(attn_cli.__file__)"],
                               cwd=self.cwd, env=self.env(), capture_output=True, text=True)
@@ -291,12 +292,18 @@ def metrics_difference(a: Path, b: Path) -> str | None:
     return None
 
 
+# files that name the process that wrote them: a run directory's lock ("pid 123 on host")
+PROCESS_ID = re.compile(rb"\bpid \d+")
+
+
 def file_difference(a: Path, b: Path, norm_a: Normaliser, norm_b: Normaliser) -> str | None:
     if a.suffix == ".st":
         return safetensors_difference(a, b, norm_a, norm_b)
     if a.name == "metrics.jsonl":
         return metrics_difference(a, b)
     data_a, data_b = a.read_bytes(), b.read_bytes()
+    if a.name == "train.lock":
+        data_a, data_b = PROCESS_ID.sub(b"pid <pid>", data_a), PROCESS_ID.sub(b"pid <pid>", data_b)
     if data_a == data_b:
         return None
     if b"\0" in data_a[:4096] or b"\0" in data_b[:4096]:

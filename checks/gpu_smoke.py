@@ -4,7 +4,7 @@
     python -m checks.gpu_smoke OUT --stages 0,2,3,7,8   # some of them
     python -m checks.gpu_smoke OUT --deadline 540       # skip what would not end in time
 
-Stages (after ../shared/reviews/gpu-14bcb5c.md §5), each one `PASS`/`FAIL`/`SKIP` line on
+Stages (after §5 of the project's GPU review of 14bcb5c), each one `PASS`/`FAIL`/`SKIP` line on
 stderr with its numbers, and OUT/stage-N.json with everything it measured; a table closes:
 
 0  environment: torch, CUDA, cuDNN, NCCL, the GPU, bf16 without emulation, TF32 and SDPA flags,
@@ -811,26 +811,15 @@ def stage_score_parse(args, work: Path) -> dict:
 def toy_parse(work: Path, device: str) -> dict:
     """tests/conftest.py's word parser, trained on the GPU, parsed with --constrain at beam 21
     on the GPU at two batch sizes and on the CPU."""
-    from tests.toys import toy_treebank
+    from tests.toys import toy_parser_commands
 
     directory = work / "parser"
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
-    (directory / "train.mrg").write_text(toy_treebank(600, seed=1), encoding="utf-8")
-    (directory / "dev.mrg").write_text(toy_treebank(30, seed=2), encoding="utf-8")
-    for split in ("train", "dev"):
-        run(attn_command("parse", "linearize", directory / f"{split}.mrg", "-o",
-                         directory / split, "--terminals", "words"))
-    run(attn_command("vocab", directory / "train.src", directory / "train.tgt", "-o",
-                     directory / "spm.model", "--size", 60, "--symbols",
-                     directory / "train.symbols"))
-    run(attn_command("binarize", "--vocab", directory / "spm.model", directory / "train.src",
-                     directory / "train.tgt", "-o", directory / "train.st"))
-    trained = run(attn_command("train", directory / "train.st", "-o", directory / "run",
-                               "--preset", "tiny", "--max-steps", 400, "--batch-tokens", 1500,
-                               "--warmup", 100, "--lr-scale", 0.3, "--save-every", 400,
-                               "--log-every", 400, "--device", device))
-    run(attn_command("average", directory / "run", "--last", 1, "-o", directory / "parser.st"))
+    for command in toy_parser_commands(directory, "words", 400, device):
+        completed = run(attn_command(*command))
+        if command[0] == "train":
+            trained = completed
     sentences = (directory / "dev.src").read_bytes()
     trees = {}
     for name, options in (("device_8000", ["--device", device]),

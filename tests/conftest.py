@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from attn_cli.checkpoints import list_checkpoints
 from attn_cli.cli import main
 
-from .toys import toy_treebank
+from .toys import toy_parser_commands
 
 REPO = Path(__file__).resolve().parent.parent
 BUNDLED = REPO / "examples" / "multi30k" / "data"
@@ -178,33 +178,15 @@ def trained(data_files, tmp_path_factory) -> tuple[Path, float]:
 
 def _train_parser(terminals: str, directory: Path) -> Path:
     """A tiny parser trained on toy trees (tests/toys.py) through the real commands."""
-    steps = PARSER_STEPS[terminals]
-    (directory / "train.mrg").write_text(toy_treebank(600, seed=1), encoding="utf-8")
-    (directory / "dev.mrg").write_text(toy_treebank(30, seed=2), encoding="utf-8")
-    for split in ("train", "dev"):
-        result = run_attn("parse", "linearize", directory / f"{split}.mrg", "-o",
-                          directory / split, "--terminals", terminals)
-        assert result.returncode == 0, result.stderr
-    steps = [
-        ("vocab", directory / "train.src", directory / "train.tgt", "-o",
-         directory / "spm.model", "--size", "60", "--symbols", directory / "train.symbols"),
-        ("binarize", "--vocab", directory / "spm.model", directory / "train.src",
-         directory / "train.tgt", "-o", directory / "train.st"),
-        ("train", directory / "train.st", "-o", directory / "run", "--preset", "tiny",
-         "--max-steps", steps, "--batch-tokens", "1500", "--warmup", "100",
-         "--lr-scale", "0.3", "--save-every", steps, "--log-every", steps,
-         "--device", "cpu"),
-        ("average", directory / "run", "--last", "1", "-o", directory / "parser.st"),
-    ]
-    for step in steps:
-        result = run_attn(*step)
-        assert result.returncode == 0, (step[0], result.stderr)
+    for command in toy_parser_commands(directory, terminals, PARSER_STEPS[terminals]):
+        result = run_attn(*command)
+        assert result.returncode == 0, (command[:2], result.stderr)
     return directory
 
 
 # Steps each kind of parser trains for: the word parser reaches dev F1 95-100 by step 400, the
 # placeholder parser (which must also count the words) 61-73 by step 600 (AVX-512 and AVX2).
-PARSER_STEPS = {"words": "400", "placeholders": "600"}
+PARSER_STEPS = {"words": 400, "placeholders": 600}
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from attn_cli.config import PRESETS
 from attn_cli.formats import METRICS_FILE
 from attn_cli.model import Transformer
 from attn_cli.modelfile import load_model
-from attn_cli.train import loop as training
+from attn_cli.train.start import adam
 from attn_cli.vocab import Vocabulary
 
 from .conftest import assert_clean_error, run_attn
@@ -124,12 +124,12 @@ def test_adam_state_is_saved_from_the_host_and_restored_where_fused_adam_keeps_i
     to the parameter's device as float32, and the next step continues the count."""
     torch.manual_seed(0)
     model = Transformer(PRESETS["tiny"].model_config(20, dropout=0.0))
-    optimizer = training.adam(model)
+    optimizer = adam(model)
     model(torch.tensor([[4, 5, 3]]), torch.tensor([[2, 6, 7]])).sum().backward()
     optimizer.step()
     saved = checkpoints.adam_tensors(model, optimizer)
     assert saved and all(tensor.device.type == "cpu" for tensor in saved.values())
-    again = training.adam(model)
+    again = adam(model)
     checkpoints.restore_adam(model, again, saved)
     fused = bool(again.defaults.get("fused"))
     for parameter in model.parameters():

@@ -3,6 +3,8 @@ packed weights, and, where a GPU is, training, decoding and scoring on it."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -48,21 +50,112 @@ def test_bf16_training_on_a_cpu_that_emulates_it_warns_once(data_files, tmp_path
 
 
 def test_packed_weights_for_cpu_inference_compute_the_same():
-    """Decoding on a CPU swaps the linear layers for oneDNN's packed ones: same logits, and
-    each row's result independent of the batch it is in."""
+    """Decoding on a CPU runs a copy of the model with oneDNN's packed linear layers: same
+    logits, and each row's result independent of the batch it is in."""
     if not devices.packed_linear_works():
         pytest.skip("this torch build has no oneDNN packed linear")
     torch.manual_seed(0)
     model = Transformer(PRESETS["tiny"].model_config(50, dropout=0.0)).eval()
     src, tgt = torch.randint(4, 50, (5, 7)), torch.randint(4, 50, (5, 6))
+    packed_model = devices.inference_model(model, torch.device("cpu"), "fp32", "packed")
     with torch.no_grad():
         expected = model(src, tgt)
-        devices.pack_for_cpu_inference(model)
-        packed = model(src, tgt)
-        alone = model(src[2:3], tgt[2:3])
-    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+        packed = packed_model(src, tgt)
+        alone = packed_model(src[2:3], tgt[2:3])
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed_model.modules())
+    assert isinstance(packed_model.output_projection, devices.PackedLinear)
     torch.testing.assert_close(packed, expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(alone[0], packed[2])
+
+
+def module_types(model: torch.nn.Module) -> list[tuple[str, type]]:
+    return [(name, type(module)) for name, module in model.named_modules()]
+
+
+@pytest.mark.parametrize("dtype,linears", [("fp32", "dense"), ("fp32", "packed"),
+                                           ("fp32", "int8"), ("bf16", "dense")])
+def test_a_model_made_for_inference_leaves_the_model_as_it_was(dtype, linears):
+    """`inference_model` makes a new model: the one given keeps its modules, its weights (bit
+    for bit), its training mode and its gradients, and trains on; what the new one takes
+    unchanged it shares instead of copying."""
+    torch.manual_seed(0)
+    config = dataclasses.replace(PRESETS["tiny"].model_config(50, dropout=0.0),
+                                 output_bias=True)
+    model = Transformer(config).train()
+    types, weights = module_types(model), {name: tensor.clone()
+                                           for name, tensor in model.state_dict().items()}
+    table = model.sinusoids.clone()
+    prepared = devices.inference_model(model, torch.device("cpu"), dtype, linears)
+    assert prepared is not model and not prepared.training
+    assert not any(parameter.requires_grad for parameter in prepared.parameters())
+    assert module_types(model) == types and model.output_projection is None
+    assert model.training and all(p.requires_grad for p in model.parameters())
+    state = model.state_dict()
+    assert list(state) == list(weights)
+    assert all(torch.equal(state[name], weights[name]) and state[name].dtype == weight.dtype
+               for name, weight in weights.items())
+    assert torch.equal(model.sinusoids, table)
+    if dtype == "fp32":  # the embeddings (looked up, never packed) are the same memory
+        assert prepared.tgt_embed.weight.data_ptr() == model.tgt_embed.weight.data_ptr()
+    if linears == "dense" and dtype == "fp32":
+        assert all(mine.data_ptr() == theirs.data_ptr() for mine, theirs in
+                   zip(prepared.state_dict().values(), state.values()))
+    src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 6))
+    model(src, tgt).float().logsumexp(-1).sum().backward()  # still trainable
+    assert all(parameter.grad is not None for parameter in model.parameters())
+
+
+def tensors_of(model: torch.nn.Module) -> set[int]:
+    """The data pointers of every tensor a module holds: parameters, buffers, and the plain
+    tensor attributes of packed layers (but oneDNN's own, which have no pointer to give)."""
+    held = {tensor.data_ptr() for tensor in [*model.parameters(), *model.buffers()]}
+    return held | {value.data_ptr() for module in model.modules()
+                   for value in vars(module).values()
+                   if isinstance(value, torch.Tensor) and not value.is_mkldnn}
+
+
+@pytest.mark.parametrize("linears", ["packed", "int8"])
+def test_a_packed_model_holds_no_dense_weight_of_the_model(linears):
+    """What a packed or int8 model replaces it does not keep: once the caller drops the model
+    it was made from, each weight is in memory once."""
+    if linears == "packed" and not devices.packed_linear_works():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    model = Transformer(PRESETS["tiny"].model_config(50, dropout=0.0))
+    prepared = devices.inference_model(model, torch.device("cpu"), "fp32", linears)
+    dense = {module.weight.data_ptr() for module in model.modules()
+             if isinstance(module, torch.nn.Linear)}
+    assert dense and not dense & tensors_of(prepared)
+    assert model.tgt_embed.weight.data_ptr() in tensors_of(prepared)  # shared, not copied
+
+
+def test_a_model_made_for_inference_computes_what_converting_it_computed():
+    """Dense, the new model's logits are the bits of the model itself (float32) or of the
+    model converted with `.to` (bf16, what decoding on a GPU did in place)."""
+    torch.manual_seed(0)
+    model = Transformer(PRESETS["tiny"].model_config(50, dropout=0.0)).eval()
+    src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 1100))
+    with torch.no_grad():
+        for dtype, reference in (("fp32", model),
+                                 ("bf16", copy.deepcopy(model).to(torch.bfloat16))):
+            prepared = devices.inference_model(model, torch.device("cpu"), dtype)
+            assert torch.equal(prepared(src, tgt), reference(src, tgt)), dtype
+
+
+@pytest.mark.parametrize("linears", ["dense", "packed", "int8"])
+def test_a_model_made_for_inference_decodes_the_golden_output(linears):
+    """The committed model's beam search, through each kind of linear layer, as `attn
+    decode` writes it (every token 0.3+ nats ahead of the next best)."""
+    from attn_cli.search import beam_search
+
+    loaded = load_model(FIXTURE_MODEL)
+    prepared = devices.inference_model(loaded.model, torch.device("cpu"), "fp32", linears)
+    ids = [line + [loaded.config.eos_id] for line in loaded.src_vocab.encode(GOLDEN["inputs"])]
+    width = max(map(len, ids))
+    src = torch.tensor([line + [loaded.config.pad_id] * (width - len(line)) for line in ids])
+    with torch.inference_mode():
+        found = beam_search(prepared, src, beam=4)
+    assert loaded.tgt_vocab.decode([hypotheses[0].tokens for hypotheses in found]) == \
+        GOLDEN["beam4"]
 
 
 # ------------------------------------------------------------- choosing devices, on any machine
@@ -234,17 +327,17 @@ def test_bf16_decoding_on_a_gpu_runs_past_the_position_table(tmp_path):
 @pytest.mark.gpu
 def test_fused_adam_on_a_gpu_is_saved_from_the_host_and_restored_on_the_device():
     from attn_cli import checkpoints
-    from attn_cli.train import loop as training
+    from attn_cli.train.start import adam
 
     device = torch.device("cuda", 0)
     model = Transformer(PRESETS["tiny"].model_config(20, dropout=0.0)).to(device)
-    optimizer = training.adam(model)
+    optimizer = adam(model)
     model(torch.tensor([[4, 5, 3]], device=device),
           torch.tensor([[2, 6, 7]], device=device)).sum().backward()
     optimizer.step()
     saved = checkpoints.adam_tensors(model, optimizer)
     assert all(tensor.device.type == "cpu" for tensor in saved.values())
-    again = training.adam(model)
+    again = adam(model)
     checkpoints.restore_adam(model, again, saved)
     for parameter in model.parameters():
         step = again.state[parameter]["step"]

@@ -146,14 +146,18 @@ def test_a_run_keeps_the_training_state_of_its_newest_checkpoint_only(unfaulted,
     assert [step for step, _ in list_checkpoints(run_dir, need_state=True)] == [2, 4]
 
 
-@pytest.mark.parametrize("command,remedy", [
-    ("train", "out of GPU memory with forward passes of up to 600 tokens"),
-    ("decode", "out of GPU memory with search batches of 64000 source tokens × beam"),
-    ("score", "out of GPU memory with batches of 8000 tokens")])
-def test_out_of_gpu_memory_is_one_line_naming_the_option_that_fits(command, remedy, data_files,
-                                                                   tmp_path, monkeypatch):
+@pytest.mark.parametrize("command,batch,remedy", [
+    ("train", "out of GPU memory with forward passes of up to 600 tokens",
+     "lower --max-tokens (600"),
+    ("decode", "out of GPU memory with search batches of 6400 source tokens × beam",
+     "lower --batch-tokens (6400)"),
+    ("score", "out of GPU memory with batches of 8000 tokens", "lower --batch-tokens (8000)")])
+def test_out_of_gpu_memory_is_one_line_naming_the_option_that_fits(command, batch, remedy,
+                                                                   data_files, tmp_path,
+                                                                   monkeypatch):
     """torch's CUDA out-of-memory error (raised here from the model, as a smaller GPU would):
-    one line saying what ran out and which option makes the work fit, exit 2."""
+    one line saying what ran out, the batch that asked for it and the option that makes the
+    work fit, with its value as given (`--opt=value` too: the library knows it), exit 2."""
     from attn_cli.model import Transformer
 
     def out_of_memory(self, *args, **kwargs):
@@ -164,13 +168,25 @@ def test_out_of_gpu_memory_is_one_line_naming_the_option_that_fits(command, reme
     model = FIXTURES / "run" / "checkpoint-600.st"
     (tmp_path / "src").write_text("a b\n", encoding="utf-8")
     argv = {"train": train_args(data_files[0], tmp_path / "run", "--max-steps", 2,
-                                "--max-tokens", 600),
-            "decode": ["decode", "-m", model],
+                                "--max-tokens=600"),
+            "decode": ["decode", "-m", model, "--batch-tokens=6400"],
             "score": ["score", "-m", model, tmp_path / "src", tmp_path / "src"]}[command]
     monkeypatch.setattr(Transformer, "encode", out_of_memory)
-    assert_clean_error(run_attn(*argv, stdin="a b\n"), remedy, "(CUDA out of memory. Tried to "
-                       "allocate 2.00 GiB. GPU 0 has a total capacity of 15.77 GiB",
-                       "lower --max-tokens" if command == "train" else "lower --batch-tokens")
+    assert_clean_error(run_attn(*argv, stdin="a b\n"), batch, "(CUDA out of memory. Tried to "
+                       "allocate 2.00 GiB. GPU 0 has a total capacity of 15.77 GiB", remedy)
+
+
+def test_out_of_gpu_memory_outside_a_batch_is_one_line_too(tmp_path, monkeypatch):
+    """Where no batch is to blame (here: loading the model), torch's own first line, once."""
+    from attn_cli import ensemble
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\n...")
+
+    monkeypatch.setattr(ensemble, "load_model", out_of_memory)
+    result = run_attn("decode", "-m", FIXTURES / "run" / "checkpoint-600.st", stdin="a b\n")
+    assert_clean_error(result, "out of GPU memory (CUDA out of memory. Tried to allocate "
+                       "2.00 GiB.)")
 
 
 def with_file_size_limit(limit: int):

@@ -25,7 +25,7 @@ from attn_cli.formats import (
     STATE_FORMAT,
 )
 from attn_cli.modelfile import load_model, save_model
-from attn_cli.train import loop as training
+from attn_cli.train.start import adam
 from attn_cli.vocab import Vocabulary
 
 from .conftest import assert_clean_error, run_attn
@@ -103,7 +103,7 @@ def test_a_training_state_written_now_has_the_fixtures_layout(tmp_path):
     (every tensor, every metadata field)."""
     step = int(CHECKPOINT.stem.split("-")[1])
     loaded, state = checkpoints.load_checkpoint(CHECKPOINT.parent, step, "cpu")
-    optimizer = training.adam(loaded.model)
+    optimizer = adam(loaded.model)
     checkpoints.restore_adam(loaded.model, optimizer, state.adam)
     run_dir = tmp_path / "run"
     checkpoints.save_checkpoint(run_dir, step, loaded.model, optimizer, state, loaded.src_vocab,

@@ -82,6 +82,16 @@ def test_features_import_the_core_and_themselves_only():
     assert not wrong, "\n".join(wrong)
 
 
+def test_tests_import_no_benchmark_or_check():
+    """Scripts may use test helpers (the toy parser's recipe, the HTTP client), never the
+    other way: a test must not depend on a script a user runs by hand."""
+    wrong = [f"{path.relative_to(REPO)}:{line} imports {module}"
+             for path in sorted((REPO / "tests").rglob("*.py"))
+             for module, line, _ in imports(path)
+             if module.split(".")[0] in ("benchmarks", "checks")]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_rule_reader_sees_relative_imports():
     """The reader above resolves `from ..parse.trees import x` and `from . import y` as Python
     does; without this the two tests above could pass on a file they misread."""
@@ -90,6 +100,6 @@ def test_the_rule_reader_sees_relative_imports():
 
     assert {"attn_cli.parse.trees", "attn_cli.errors"} <= modules(PACKAGE / "train" /
                                                                   "validation.py")
-    assert "attn_cli.train.resume" in modules(PACKAGE / "train" / "loop.py")
+    assert "attn_cli.train.start" in modules(PACKAGE / "train" / "loop.py")
     assert any(module.startswith("attn_cli.serve.") and not at_top
                for module, _, at_top in imports(PACKAGE / "cli.py"))

@@ -64,6 +64,30 @@ def test_positional_encoding_matches_formula():
             assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
 
 
+@pytest.mark.parametrize("d_model", [32, 512])
+def test_positions_are_the_same_in_any_table(d_model):
+    """A position's encoding is the same bits in a table of any length and computed alone: a
+    model's positions past its table equal those a longer table would give."""
+    longest = sinusoidal_positions(5000, d_model)
+    for length in (1, 100, 1024, 1073, 2048, 4096):
+        assert torch.equal(sinusoidal_positions(length, d_model), longest[:length]), length
+    for start, length in ((0, 7), (1023, 1), (1024, 50), (3001, 1), (2500, 2500)):
+        assert torch.equal(sinusoidal_positions(length, d_model, start),
+                           longest[start:start + length]), (start, length)
+
+
+def test_positions_past_the_table_are_computed_and_not_stored():
+    model = Transformer(tiny_config(max_positions=16)).eval()
+    table = model.sinusoids.clone()
+    assert torch.equal(model.positions(10, 20), sinusoidal_positions(30, 64)[10:])
+    assert torch.equal(model.positions(3, 5), table[3:8])
+    assert torch.equal(model.sinusoids, table)  # a forward pass changes nothing in the model
+    src, tgt = random_tokens(1, 20), random_tokens(1, 25)
+    with torch.no_grad():
+        model(src, tgt)
+    assert torch.equal(model.sinusoids, table)
+
+
 def test_embeddings_are_shared_and_scaled():
     model = Transformer(tiny_config()).eval()
     assert model.src_embed is model.tgt_embed

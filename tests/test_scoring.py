@@ -9,8 +9,11 @@ import sys
 
 import pytest
 import sacrebleu
+import torch
 
-from attn_cli.scoring import text_scores
+from attn_cli.errors import AttnError
+from attn_cli.files import Utf8Policy
+from attn_cli.scoring import ForcedScore, ForcedScores, text_score_lines, text_scores
 
 from .conftest import assert_clean_error, run_attn
 
@@ -79,6 +82,22 @@ def test_compound_split_bleu_from_python_is_the_commands(tmp_path):
     assert plain.score != pytest.approx(paper.score)
 
 
+def test_a_bad_line_ends_the_output_after_the_lines_before_it(tmp_path):
+    """Strict UTF-8: the per-line scores of the lines before an invalid one, then its error;
+    no corpus score (of part of the corpus) at all."""
+    (tmp_path / "hyp").write_bytes(b"ein Haus\nzwei H\xe4user\ndrei\n")
+    (tmp_path / "ref").write_text("ein Haus\nzwei H\u00e4user\ndrei\n", encoding="utf-8")
+    strict = Utf8Policy(strict=True)
+    lines = text_score_lines(str(tmp_path / "hyp"), str(tmp_path / "ref"), ["chrf"],
+                             sentence_level=True, policy=strict, as_json=True)
+    assert json.loads(next(lines)) == {"line": 1, "chrf": 100.0}
+    with pytest.raises(AttnError, match=":2: invalid UTF-8"):
+        next(lines)
+    with pytest.raises(AttnError, match=":2: invalid UTF-8"):
+        next(text_score_lines(str(tmp_path / "hyp"), str(tmp_path / "ref"), ["bleu"],
+                              policy=Utf8Policy(strict=True)))
+
+
 def test_score_does_not_import_torch(corpus):
     code = ("import sys; from attn_cli.cli import main\n"
             f"try:\n    main(['score', '--ref', r'{corpus['val.de']}', r'{corpus['val.de']}'])\n"
@@ -136,3 +155,36 @@ def test_score_reproduces_the_scores_of_decode_nbest(trained, corpus, tmp_path):
     assert scored.returncode == 0, scored.stderr
     log_probs = [json.loads(line)["log_prob"] for line in scored.stdout.splitlines()]
     assert log_probs == pytest.approx(scores, abs=1e-4 + 1e-9)
+
+
+def test_forced_scores_are_written_as_text_or_json_then_the_bad_line():
+    scores = [ForcedScore(-1.23456, 5), ForcedScore(-0.5, 2)]
+    forced = ForcedScores(scores, 2.04)
+    assert list(forced.lines()) == ["-1.2346\t5", "-0.5000\t2"]
+    assert list(forced.lines(as_json=True)) == ['{"line": 1, "log_prob": -1.2346, "tokens": 5}',
+                                                '{"line": 2, "log_prob": -0.5, "tokens": 2}']
+    assert forced.summary() == ("score: 2 pairs, 7 target tokens (EOS included), perplexity "
+                                f"{math.exp(1.73456 / 7):.4f} in 2.0s")
+    bad = ForcedScores(scores, 2.0, AttnError("hyp: line 3: invalid UTF-8"))
+    written = []
+    with pytest.raises(AttnError, match="line 3"):
+        written.extend(bad.lines())
+    assert written == ["-1.2346\t5", "-0.5000\t2"]
+
+
+def test_force_decoding_out_of_memory_names_the_batch_and_the_option(monkeypatch):
+    from attn_cli.model import Transformer
+    from attn_cli.modelfile import load_model
+    from attn_cli.scoring import force_decode
+
+    from .test_devices import FIXTURE_MODEL
+
+    def out_of_memory(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\n...")
+
+    monkeypatch.setattr(Transformer, "forward", out_of_memory)
+    with pytest.raises(AttnError, match=r"out of GPU memory with batches of 700 tokens \(CUDA "
+                       r"out of memory. Tried to allocate 2.00 GiB.\): lower --batch-tokens "
+                       r"\(700\)"):
+        force_decode([load_model(FIXTURE_MODEL)], ["a b"], ["b a"], torch.device("cpu"),
+                     "fp32", batch_tokens=700)

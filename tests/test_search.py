@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from attn_cli.model import DecoderCache, grow_cache, sinusoidal_positions
+from attn_cli.model import DecoderCache, Transformer, grow_cache, sinusoidal_positions
 from attn_cli.search import (
     Beams,
     Finished,
@@ -431,17 +431,18 @@ def test_a_search_step_waits_for_the_device_a_fixed_number_of_times(beam):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_bf16_search_runs_past_the_sinusoid_table(device):
-    """A model converted to bf16 (decode --dtype bf16) searching past its position table:
-    the table grows in the model's dtype (float32 positions would meet bf16 weights)."""
-    model = random_model(vocab=30, seed=3)
-    model.config = dataclasses.replace(model.config, max_positions=8)
-    model.sinusoids = model.sinusoids[:8].clone()
-    model = model.to(device, torch.bfloat16)
+    """A model converted to bf16 (decode --dtype bf16) searching past its position table: the
+    positions past it are computed in the model's dtype (float32 positions would meet bf16
+    weights), the same as a longer table's, and the table is left as it was (a forward pass
+    changes nothing in the model)."""
+    torch.manual_seed(3)
+    config = dataclasses.replace(random_model(vocab=30).config, max_positions=8)
+    model = Transformer(config).eval().to(device, torch.bfloat16)
+    table = model.sinusoids.clone()
     src = torch.tensor([[5, 9, 7, 3]], device=device)
     found = beam_search(model, src, beam=2, max_len_a=0, max_len_b=20, stop="limit")
     assert found[0][0].score > -math.inf  # live hypotheses ran on to position 20
-    assert model.sinusoids.dtype == torch.bfloat16 and model.sinusoids.shape[0] >= 20
-    assert model.sinusoids.device.type == device
-    torch.testing.assert_close(model.sinusoids[:20].float().cpu(),
-                               sinusoidal_positions(20, model.config.d_model), atol=4e-3,
-                               rtol=0)
+    assert torch.equal(model.sinusoids, table)
+    past = model.positions(6, 14)
+    assert past.dtype == torch.bfloat16 and past.device.type == device
+    assert torch.equal(past, sinusoidal_positions(20, config.d_model)[6:].to(past))

@@ -4,6 +4,7 @@ as ready; its options, checked; `load_translator` from Python."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -14,9 +15,10 @@ import attn_cli
 from attn_cli import load_translator
 from attn_cli.batching import pad_sequences
 from attn_cli.errors import AttnError
-from attn_cli.translate import DecodeOptions
+from attn_cli.search import Hypothesis
+from attn_cli.translate import EMPTY_LINE, NOT_FOUND, DecodeOptions
 
-from .conftest import assert_clean_error, run_attn
+from .conftest import REPO, assert_clean_error, run_attn
 
 # ---------------------------------------------------------------------------------- the command
 
@@ -90,8 +92,9 @@ def test_decode_sample_option(trained, corpus):
     assert top1.stdout == greedy.stdout
     assert_clean_error(run_attn(*common, "--nbest", "2", stdin=stdin), "--nbest", "--sample")
     assert_clean_error(run_attn("decode", "-m", model, "--topk", "5", stdin=stdin), "--sample")
-    assert_clean_error(run_attn(*common, "--topp", "0", stdin=stdin), "--topp")
-    assert_clean_error(run_attn(*common, "--temperature", "0", stdin=stdin), "--temperature")
+    assert_clean_error(run_attn(*common, "--topp", "0", stdin=stdin), "topp must be above 0")
+    assert_clean_error(run_attn(*common, "--temperature", "0", stdin=stdin),
+                       "temperature must be above 0")
 
 
 def test_decode_nbest_format(trained):
@@ -189,6 +192,57 @@ def test_decode_options_refuse_sampling_options_without_sample():
         DecodeOptions(sample=True, nbest=2)
 
 
+@pytest.mark.parametrize("changes, message", [
+    ({"beam": 0}, "beam must be at least 1"),
+    ({"nbest": 0}, "nbest must be at least 1"),
+    ({"alpha": -0.1}, "alpha must be at least 0.0"),
+    ({"alpha": math.nan}, "alpha must be a finite number"),
+    ({"max_len_a": math.inf}, "max_len_a must be a finite number"),
+    ({"max_len_b": -1}, "max_len_b must be at least 0"),
+    ({"topk": -1, "sample": True}, "topk must be at least 0"),
+    ({"topp": 0.0, "sample": True}, "topp must be above 0"),
+    ({"topp": 1.5, "sample": True}, "topp must be at most 1"),
+    ({"temperature": 0.0, "sample": True}, "temperature must be above 0"),
+    ({"batch_tokens": 0}, "batch_tokens must be at least 1"),
+    ({"workers": 0}, "workers must be at least 1"),
+])
+def test_decode_options_check_each_range_naming_the_field(changes, message):
+    """The one place the search settings' ranges are checked: for the library, for `attn
+    serve`'s requests (answered 422 with this message), and behind Typer's bounds."""
+    with pytest.raises(AttnError) as error:
+        DecodeOptions(**changes)
+    assert str(error.value) == message
+    assert DecodeOptions(topp=1.0, temperature=1.0, max_len_a=0.0, max_len_b=0, seed=-5)
+
+
+def test_a_lines_outputs_are_always_nbest_as_decode_prints_them(trained):
+    model, _ = trained
+    translator = load_translator(model, 4, threads=1, nbest=3)
+    found = [Hypothesis([5, 6], -1.0, -2.0)]
+    outputs = translator.outputs(found)
+    assert outputs[0][0] is found[0] and outputs[1:] == [(NOT_FOUND, "")] * 2
+    assert translator.format(7, found)[1:] == ["7\t-inf\t"] * 2
+    assert translator.outputs([EMPTY_LINE])[0] == (EMPTY_LINE, "")
+    best = translator.with_options(nbest=1)
+    assert best.outputs(found) == outputs[:1] and best.format(0, found) == [outputs[0][1]]
+
+
+def test_out_of_memory_in_a_search_names_its_batch_and_the_option(trained, monkeypatch):
+    from attn_cli import translate
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\n...")
+
+    model, _ = trained
+    translator = load_translator(model, 4, threads=1, batch_tokens=640)
+    monkeypatch.setattr(translate, "beam_search", out_of_memory)
+    with pytest.raises(AttnError) as error:
+        translator.translate(["a man"])
+    assert str(error.value) == ("out of GPU memory with search batches of 640 source tokens × "
+                                "beam (CUDA out of memory. Tried to allocate 2.00 GiB.): lower "
+                                "--batch-tokens (640)")
+
+
 def test_load_translator_checks_its_options_before_loading_the_model(tmp_path):
     missing = tmp_path / "none.st"
     with pytest.raises(AttnError, match="--sample"):
@@ -218,9 +272,9 @@ def test_int8_quantizes_every_linear_layer_and_stays_close_to_float32(trained, c
 
     lines = corpus["val.en"].read_text(encoding="utf-8").splitlines()[:40]
     ids = translator.encode(lines, 1)
-    src = pad_sequences(ids, translator.loaded.config.pad_id)
+    src = pad_sequences(ids, translator.config.pad_id)
     tgt = src[:, :8].clone()
-    tgt[:, 0] = translator.loaded.config.bos_id
+    tgt[:, 0] = translator.config.bos_id
     with torch.inference_mode():
         exact = reference.model(src, tgt)
         approximate = quantized(src, tgt)
@@ -248,3 +302,28 @@ def test_int8_is_refused_on_a_gpu(trained):
     model, _ = trained
     result = run_attn("decode", "-m", model, "--int8", "--device", "cuda", stdin="a\n")
     assert_clean_error(result, "--int8", "on a GPU use --dtype bf16")
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_translator_keeps_copies_made_for_decoding_not_the_loaded_models(int8, monkeypatch):
+    """The loaded models are left as they were and freed once load_translator returns: the
+    translator holds the copies made for decoding (devices.inference_model) only."""
+    import gc
+    import weakref
+
+    from attn_cli import translate
+
+    model_file = REPO / "tests" / "fixtures" / "run" / "checkpoint-600.st"
+
+    loaded_models, load_models = [], translate.load_models
+
+    def remembering(*args, **kwargs):
+        models, device, threads = load_models(*args, **kwargs)
+        loaded_models.extend(weakref.ref(loaded.model) for loaded in models)
+        return models, device, threads
+
+    monkeypatch.setattr(translate, "load_models", remembering)
+    translator = load_translator([model_file, model_file], device="cpu", int8=int8)
+    gc.collect()
+    assert len(loaded_models) == 2 and all(model() is None for model in loaded_models)
+    assert translator.translate(["g d j c d d"]) == ["d d c j d g"]

@@ -45,6 +45,29 @@ def toy_treebank(count: int, seed: int) -> str:
     return "\n".join(trees) + "\n"
 
 
+def toy_parser_commands(directory: Path, terminals: str, steps: int,
+                        device: str = "cpu") -> list[list[str]]:
+    """The recipe of a tiny parser, as the tests and checks/gpu_smoke.py make one: writes a toy
+    treebank's train and dev splits (600 and 30 trees) into `directory` and returns the `attn`
+    commands, in order, that make directory/parser.st of them through the real commands
+    (linearize both splits, vocab, binarize, train, average the last checkpoint)."""
+    (directory / "train.mrg").write_text(toy_treebank(600, seed=1), encoding="utf-8")
+    (directory / "dev.mrg").write_text(toy_treebank(30, seed=2), encoding="utf-8")
+    commands = [["parse", "linearize", directory / f"{split}.mrg", "-o", directory / split,
+                 "--terminals", terminals] for split in ("train", "dev")]
+    commands += [
+        ["vocab", directory / "train.src", directory / "train.tgt", "-o",
+         directory / "spm.model", "--size", 60, "--symbols", directory / "train.symbols"],
+        ["binarize", "--vocab", directory / "spm.model", directory / "train.src",
+         directory / "train.tgt", "-o", directory / "train.st"],
+        ["train", directory / "train.st", "-o", directory / "run", "--preset", "tiny",
+         "--max-steps", steps, "--batch-tokens", 1500, "--warmup", 100, "--lr-scale", 0.3,
+         "--save-every", steps, "--log-every", steps, "--device", device],
+        ["average", directory / "run", "--last", 1, "-o", directory / "parser.st"],
+    ]
+    return [[str(word) for word in command] for command in commands]
+
+
 def reversal_pairs(count: int, seed: int, letters: str = "abcdefghij", shortest: int = 3,
                    longest: int = 7) -> tuple[list[str], list[str]]:
     """Sequences of letters (space-separated) and the same sequences reversed."""

@@ -29,7 +29,7 @@ from torch import Tensor
 from ..config import ModelConfig
 from ..errors import AttnError
 from ..files import check_output_directory, staged_directory
-from ..formats import MAX_SOURCE_TOKENS, TRANSLATION
+from ..formats import MAX_SOURCE_TOKENS, SHARED_EMBEDDING, SOURCE_EMBEDDING, TRANSLATION
 from ..vocab import Vocabulary
 
 MARIAN_LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which MarianMTModel's layers use
@@ -44,10 +44,88 @@ def _transformers():
     return transformers
 
 
+# ------------------------------------------------------------------------------------ mapping
+
+# Each layer's Linear and LayerNorm modules, attn's beside Marian's (the layer's prefix left
+# off), with how each meets the residual stream and whether attn may lack its bias. A module
+# "reads" the stream (its matrix's columns are d_model, its bias is not) or "writes" it (its
+# matrix's rows and its bias are d_model; a LayerNorm's weight and bias alike). attn fuses the
+# projections Marian keeps apart: several Marian modules are one attn matrix's rows, in order.
+SELF_ATTENTION = [("self_attn.qkv_proj", [f"self_attn.{x}_proj" for x in "qkv"], "reads", True),
+                  ("self_attn.out_proj", ["self_attn.out_proj"], "writes", True)]
+CROSS_ATTENTION = [("cross_attn.q_proj", ["encoder_attn.q_proj"], "reads", True),
+                   ("cross_attn.kv_proj", [f"encoder_attn.{x}_proj" for x in "kv"], "reads", True),
+                   ("cross_attn.out_proj", ["encoder_attn.out_proj"], "writes", True)]
+FEED_FORWARD = [("ffn.inner", ["fc1"], "reads", False), ("ffn.outer", ["fc2"], "writes", False)]
+ENCODER_LAYER = [*SELF_ATTENTION, ("sub.norms.0", ["self_attn_layer_norm"], "writes", False),
+                 *FEED_FORWARD, ("sub.norms.1", ["final_layer_norm"], "writes", False)]
+DECODER_LAYER = [*SELF_ATTENTION, ("sub.norms.0", ["self_attn_layer_norm"], "writes", False),
+                 *CROSS_ATTENTION, ("sub.norms.1", ["encoder_attn_layer_norm"], "writes", False),
+                 *FEED_FORWARD, ("sub.norms.2", ["final_layer_norm"], "writes", False)]
+
+
 def marian_order(d_model: int) -> Tensor:
     """(D,) for each of Marian's d_model positions, attn's: Marian's first half holds the sines
     (attn's even positions), its second half the cosines (attn's odd ones)."""
     return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
+
+
+def mapping(config: ModelConfig) -> list[tuple]:
+    """Every attn tensor as a row (attn name, Marian names, (to Marian, to attn), zeros), read
+    forwards by `marian_state_dict` and backwards by `attn_state_dict`.
+    - The transform is a function and its inverse: d_model permuted into Marian's order and
+      back (the module docstring), along the axis where the tensor meets the residual stream.
+    - Several Marian names: the attn tensor is theirs stacked by rows.
+    - One attn name in several rows: Marian's tied copies of it; the first row is read back.
+    - zeros: a bias this attn model lacks (the paper's projections have none): Marian's are
+      that many zeros, and nothing is read back."""
+    order = marian_order(config.d_model)
+    back = torch.argsort(order)
+    same = (lambda t: t, lambda t: t)
+    reads = (lambda t: t[:, order], lambda t: t[:, back])  # d_model is the columns
+    writes = (lambda t: t[order], lambda t: t[back])  # d_model is the rows, or the vector
+    batched = (lambda t: t[None], lambda t: t[0])  # Marian's logits bias is (1, V)
+    transforms = {"reads": (reads, same), "writes": (writes, writes)}  # (weight's, bias's)
+    rows = [(SHARED_EMBEDDING, ["model.decoder.embed_tokens.weight"], reads, None),
+            (SHARED_EMBEDDING, ["lm_head.weight"], reads, None),
+            (SOURCE_EMBEDDING, ["model.encoder.embed_tokens.weight"], reads, None)]
+    if config.share_embeddings:  # Marian has `model.shared` only when source and target share
+        rows.append((SOURCE_EMBEDDING, ["model.shared.weight"], reads, None))
+    rows.append(("output_bias", ["final_logits_bias"], batched,
+                 None if config.output_bias else config.tgt_vocab_size))
+    layers = [(f"encoder_layers.{i}", f"model.encoder.layers.{i}", ENCODER_LAYER)
+              for i in range(config.encoder_layers)] + \
+        [(f"decoder_layers.{i}", f"model.decoder.layers.{i}", DECODER_LAYER)
+         for i in range(config.decoder_layers)]
+    for ours, theirs, layer in layers:
+        for module, marian_modules, meets, optional_bias in layer:
+            weight, bias = transforms[meets]
+            marian = [f"{theirs}.{name}" for name in marian_modules]
+            lacks_bias = optional_bias and not config.attention_bias
+            zeros = len(marian) * config.d_model if lacks_bias else None  # d_model per projection
+            rows.append((f"{ours}.{module}.weight", [f"{m}.weight" for m in marian], weight, None))
+            rows.append((f"{ours}.{module}.bias", [f"{m}.bias" for m in marian], bias, zeros))
+    return rows
+
+
+def marian_state_dict(model: torch.nn.Module, config: ModelConfig) -> dict[str, Tensor]:
+    """MarianMTModel's weights (all but the position tables) from an attn Transformer's."""
+    weights = {name: tensor.detach().float() for name, tensor in model.state_dict().items()}
+    state: dict[str, Tensor] = {}
+    for ours, theirs, (to_marian, _), zeros in mapping(config):
+        tensor = to_marian(weights[ours] if zeros is None else torch.zeros(zeros))
+        state.update(zip(theirs, tensor.chunk(len(theirs))))
+    return state
+
+
+def attn_state_dict(marian, config: ModelConfig) -> dict[str, Tensor]:
+    """An attn Transformer's weights from a MarianMTModel's: `mapping` read backwards."""
+    state = {name: tensor.detach().float() for name, tensor in marian.state_dict().items()}
+    weights: dict[str, Tensor] = {}
+    for ours, theirs, (_, to_attn), zeros in mapping(config):
+        if zeros is None and ours not in weights:  # attn has it, and this is its first row
+            weights[ours] = torch.cat([to_attn(state[name]) for name in theirs])
+    return weights
 
 
 # ------------------------------------------------------------------------------------- export
@@ -122,80 +200,6 @@ def generation_fields(config: ModelConfig) -> dict:
                                                    if config.bos_id != config.pad_id else []),
                 num_beams=TRANSLATION.beam, length_penalty=TRANSLATION.alpha,
                 max_length=MAX_SOURCE_TOKENS + 1 + TRANSLATION.max_len_b)
-
-
-def layer_correspondence(config: ModelConfig) -> list[tuple]:
-    """Every layer's parts as (kind, attn name, Marian name[, projections]): an attention
-    (its attn projections and the Marian ones each splits into), a norm, a feed-forward block.
-    Both directions of the mapping walk this one table."""
-    self_attention = [("qkv_proj", ["q", "k", "v"])]
-    table = []
-    for i in range(config.encoder_layers):
-        ours, theirs = f"encoder_layers.{i}", f"model.encoder.layers.{i}"
-        table += [("attention", f"{ours}.self_attn", f"{theirs}.self_attn", self_attention),
-                  ("norm", f"{ours}.sub.norms.0", f"{theirs}.self_attn_layer_norm"),
-                  ("ffn", ours, theirs),
-                  ("norm", f"{ours}.sub.norms.1", f"{theirs}.final_layer_norm")]
-    for i in range(config.decoder_layers):
-        ours, theirs = f"decoder_layers.{i}", f"model.decoder.layers.{i}"
-        table += [("attention", f"{ours}.self_attn", f"{theirs}.self_attn", self_attention),
-                  ("norm", f"{ours}.sub.norms.0", f"{theirs}.self_attn_layer_norm"),
-                  ("attention", f"{ours}.cross_attn", f"{theirs}.encoder_attn",
-                   [("q_proj", ["q"]), ("kv_proj", ["k", "v"])]),
-                  ("norm", f"{ours}.sub.norms.1", f"{theirs}.encoder_attn_layer_norm"),
-                  ("ffn", ours, theirs),
-                  ("norm", f"{ours}.sub.norms.2", f"{theirs}.final_layer_norm")]
-    return table
-
-
-def marian_state_dict(model: torch.nn.Module, config: ModelConfig) -> dict[str, Tensor]:
-    """MarianMTModel's weights (all but the position tables) from an attn Transformer's."""
-    weights = {name: tensor.detach().float() for name, tensor in model.state_dict().items()}
-    order = marian_order(config.d_model)
-    state: dict[str, Tensor] = {}
-
-    def reads(tensor: Tensor) -> Tensor:  # a matrix reading the residual stream: its columns
-        return tensor[:, order].contiguous()
-
-    def writes(tensor: Tensor) -> Tensor:  # a matrix or bias writing it: its rows
-        return tensor[order].contiguous()
-
-    def bias(name: str, rows: int) -> Tensor:
-        return weights.get(name, torch.zeros(rows))
-
-    def attention(prefix: str, marian: str, projections: list[tuple[str, list[str]]]) -> None:
-        for attn_name, parts in projections:
-            matrix = weights[f"{prefix}.{attn_name}.weight"]
-            vector = bias(f"{prefix}.{attn_name}.bias", matrix.shape[0])
-            for part, rows, values in zip(parts, matrix.split(config.d_model),
-                                          vector.split(config.d_model)):
-                state[f"{marian}.{part}_proj.weight"] = reads(rows)
-                state[f"{marian}.{part}_proj.bias"] = values.clone()
-        state[f"{marian}.out_proj.weight"] = writes(weights[f"{prefix}.out_proj.weight"])
-        state[f"{marian}.out_proj.bias"] = writes(bias(f"{prefix}.out_proj.bias",
-                                                       config.d_model))
-
-    def norm(name: str, marian: str) -> None:
-        for field in ("weight", "bias"):
-            state[f"{marian}.{field}"] = writes(weights[f"{name}.{field}"])
-
-    def ffn(prefix: str, marian: str) -> None:
-        state[f"{marian}.fc1.weight"] = reads(weights[f"{prefix}.ffn.inner.weight"])
-        state[f"{marian}.fc1.bias"] = weights[f"{prefix}.ffn.inner.bias"].clone()
-        state[f"{marian}.fc2.weight"] = writes(weights[f"{prefix}.ffn.outer.weight"])
-        state[f"{marian}.fc2.bias"] = writes(weights[f"{prefix}.ffn.outer.bias"])
-
-    target = reads(weights["tgt_embed.weight"])
-    source = reads(weights["src_embed.weight"]) if "src_embed.weight" in weights else target
-    state["model.shared.weight"] = source
-    state["model.encoder.embed_tokens.weight"] = source
-    state["model.decoder.embed_tokens.weight"] = target
-    state["lm_head.weight"] = target
-    state["final_logits_bias"] = bias("output_bias", config.tgt_vocab_size)[None].clone()
-    parts = {"attention": attention, "norm": norm, "ffn": ffn}
-    for part, ours, theirs, *projections in layer_correspondence(config):
-        parts[part](ours, theirs, *projections)
-    return state
 
 
 def _pieces(vocabulary: Vocabulary) -> list[str]:
@@ -398,47 +402,3 @@ def attn_config(marian, src_vocab: Vocabulary, tgt_vocab: Vocabulary) -> ModelCo
 def _unk_id(vocabulary: Vocabulary) -> int:
     pieces = vocabulary.pieces
     return pieces.index("<unk>") if pieces is not None else vocabulary.processor.unk_id()
-
-
-def attn_state_dict(marian, config: ModelConfig) -> dict[str, Tensor]:
-    """An attn Transformer's weights from a MarianMTModel's: `marian_state_dict` inverted."""
-    state = {name: tensor.detach().float() for name, tensor in marian.state_dict().items()}
-    back = torch.argsort(marian_order(config.d_model))  # Marian's order → attn's
-    weights: dict[str, Tensor] = {}
-
-    def reads(tensor: Tensor) -> Tensor:
-        return tensor[:, back].contiguous()
-
-    def writes(tensor: Tensor) -> Tensor:
-        return tensor[back].contiguous()
-
-    def attention(prefix: str, marian: str, projections: list[tuple[str, list[str]]]) -> None:
-        for attn_name, parts in projections:
-            weights[f"{prefix}.{attn_name}.weight"] = torch.cat(
-                [reads(state[f"{marian}.{part}_proj.weight"]) for part in parts])
-            if config.attention_bias:
-                weights[f"{prefix}.{attn_name}.bias"] = torch.cat(
-                    [state[f"{marian}.{part}_proj.bias"] for part in parts])
-        weights[f"{prefix}.out_proj.weight"] = writes(state[f"{marian}.out_proj.weight"])
-        if config.attention_bias:
-            weights[f"{prefix}.out_proj.bias"] = writes(state[f"{marian}.out_proj.bias"])
-
-    def norm(name: str, marian: str) -> None:
-        for field in ("weight", "bias"):
-            weights[f"{name}.{field}"] = writes(state[f"{marian}.{field}"])
-
-    def ffn(prefix: str, marian: str) -> None:
-        weights[f"{prefix}.ffn.inner.weight"] = reads(state[f"{marian}.fc1.weight"])
-        weights[f"{prefix}.ffn.inner.bias"] = state[f"{marian}.fc1.bias"]
-        weights[f"{prefix}.ffn.outer.weight"] = writes(state[f"{marian}.fc2.weight"])
-        weights[f"{prefix}.ffn.outer.bias"] = writes(state[f"{marian}.fc2.bias"])
-
-    weights["tgt_embed.weight"] = reads(state["model.decoder.embed_tokens.weight"])
-    weights["src_embed.weight"] = weights["tgt_embed.weight"] if config.share_embeddings \
-        else reads(state["model.encoder.embed_tokens.weight"])
-    if config.output_bias:
-        weights["output_bias"] = state["final_logits_bias"][0]
-    parts = {"attention": attention, "norm": norm, "ffn": ffn}
-    for part, ours, theirs, *projections in layer_correspondence(config):
-        parts[part](ours, theirs, *projections)
-    return weights

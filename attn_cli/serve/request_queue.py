@@ -10,8 +10,8 @@ them rather than one taking it all. A line's output depends only on the line and
 never shows in an answer.
 
 The queue holds at most `capacity` lines: a request that does not fit is refused (`QueueFull`,
-the server's 503) instead of memory growing. A job whose client went away is cancelled: its
-lines still waiting leave the queue unsearched.
+the server's 503) instead of memory growing. A job whose client went away is cancelled
+(`cancel`): its lines still waiting leave the queue unsearched.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..batching import fits
-from ..search import Hypothesis
-from ..translate import Translator
+from ..translate import EMPTY_LINE, Translator
 
 
 class QueueFull(Exception):
@@ -37,17 +36,16 @@ class QueueFull(Exception):
 @dataclass(eq=False)
 class Job:
     """One request: its lines, the translator with its settings, and what came of them.
-    `outputs[i]`: line i's hypotheses with their detokenized texts, filled by the workers;
-    `done(job)` is called once, from a worker thread (or at submission when nothing waits),
-    when every line has its output or the search failed (`error`)."""
+    `outputs[i]`: line i's outputs, `Translator.outputs` (nbest (hypothesis, text) pairs),
+    filled by the workers; `done(job)` is called once, from a worker thread (or at submission
+    when nothing waits), when every line has its output or the search failed (`error`)."""
 
     lines: list[str]
     translator: Translator
     done: Callable[[Job], None]
     name: str = "request"  # how warnings name it
-    outputs: list = field(default_factory=list)  # (hypotheses, texts) per line
+    outputs: list = field(default_factory=list)
     error: BaseException | None = None
-    cancelled: bool = False
     remaining: int = 0
     arrived: float = 0.0
 
@@ -62,9 +60,6 @@ class _Line:
     job: Job
     index: int  # the line's place in its job
     ids: list[int]  # source ids, EOS included
-
-
-EMPTY = [Hypothesis([], 0.0, 0.0)]
 
 
 class RequestQueue:
@@ -92,7 +87,7 @@ class RequestQueue:
     def submit(self, job: Job) -> None:
         """Queue a job's non-empty lines (an empty line's output is an empty line, at once).
         Raises QueueFull when they do not fit."""
-        empty = (EMPTY, job.translator.detokenize(EMPTY))
+        empty = job.translator.outputs([EMPTY_LINE])
         job.outputs = [None if line.strip() else empty for line in job.lines]
         todo = [index for index, output in enumerate(job.outputs) if output is None]
         job.remaining, job.arrived = len(todo), time.perf_counter()
@@ -115,6 +110,15 @@ class RequestQueue:
         with self._changed:
             self._lines.extend(lines)
             self._changed.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """Take a job's waiting lines out of the queue unsearched (its client went away). Lines
+        in a batch being searched finish; the job is never done."""
+        with self._changed:
+            self._drop(job)
+
+    def _drop(self, job: Job) -> None:  # the lock held
+        self._lines = deque(line for line in self._lines if line.job is not job)
 
     def close(self) -> None:
         """Search what is queued, then stop the workers."""
@@ -148,7 +152,6 @@ class RequestQueue:
         ever smaller batches, and a small batch costs nearly as much as a full one."""
         with self._changed:
             while True:
-                self._drop_cancelled()
                 if self._lines or self._closing:
                     break
                 self._changed.wait()
@@ -165,7 +168,6 @@ class RequestQueue:
                     self._changed.wait(refill - now)
                 else:
                     break
-            self._drop_cancelled()
             if not self._lines:
                 return None if self._closing else []
             settings = self._lines[0].job.settings
@@ -185,10 +187,6 @@ class RequestQueue:
             self._searching += 1
             return batch
 
-    def _drop_cancelled(self) -> None:
-        if any(line.job.cancelled for line in self._lines):
-            self._lines = deque(line for line in self._lines if not line.job.cancelled)
-
     def _search(self, batch: list[_Line]) -> None:
         """Search a batch and hand each finished job back; a failure fails the batch's jobs
         (their other lines leave the queue) and the worker goes on."""
@@ -199,7 +197,7 @@ class RequestQueue:
         try:
             found = translator.search([line.ids for line in batch], None,
                                       [line.index + 1 for line in batch])
-            texts = [translator.detokenize(hypotheses) for hypotheses in found]
+            outputs = [translator.outputs(hypotheses) for hypotheses in found]
         except Exception as error:  # the jobs answer it; the server goes on
             failure = error
         with self._changed:
@@ -207,12 +205,13 @@ class RequestQueue:
             if failure is not None:
                 for job in {line.job: None for line in batch}:
                     if job.error is None:
-                        job.error, job.cancelled = failure, True
+                        job.error = failure
+                        self._drop(job)  # its other lines are not searched
                         finished.append(job)
             else:
-                for line, hypotheses, words in zip(batch, found, texts):
+                for line, output in zip(batch, outputs):
                     job = line.job
-                    job.outputs[line.index] = (hypotheses, words)
+                    job.outputs[line.index] = output
                     job.remaining -= 1
                     if job.remaining == 0 and job.error is None:
                         finished.append(job)

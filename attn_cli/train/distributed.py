@@ -8,6 +8,7 @@ tells the others instead of leaving them waiting until --dist-timeout.
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import sys
@@ -101,8 +102,8 @@ def check_process_layout(device_option: str) -> None:
 
 def gradient_sync_dtype(option: str, processes: Processes) -> str:
     """The precision DDP all-reduces gradients in. auto: bf16 when the job spans nodes on GPUs,
-    where the network is the bottleneck (base sends 252 MB of float32 gradients per step, big
-    857 MB: tens of ms behind a 100 Gb/s link, against ~10 ms of compute), fp32 within a node.
+    where the network is the bottleneck (every step sends the float32 gradients of the whole
+    model, which between nodes takes longer than the step's compute), fp32 within a node.
     bf16 rounds each process's gradient before the sum (8 bits of mantissa); Adam's update
     and the parameters stay float32."""
     if option not in GRAD_SYNC:
@@ -114,6 +115,32 @@ def gradient_sync_dtype(option: str, processes: Processes) -> str:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", processes.world_size))
     spans_nodes = processes.world_size > local_world
     return "bf16" if spans_nodes and processes.device.type == "cuda" else "fp32"
+
+
+def wrap_for_ddp(model: torch.nn.Module, processes: Processes,
+                 grad_sync: str) -> torch.nn.Module:
+    """The model as DDP trains it when distributed (alone, the model itself): the gradients
+    all-reduced in `grad_sync`'s precision (gradient_sync_dtype) during the last backward pass
+    of a step."""
+    if not processes.distributed:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Gradients live in DDP's communication buckets (no copy in and out of them each step;
+    # `loop._step` zeroes them in place, which keeps them there). The one buffer, the sinusoid
+    # table, is a constant: not sent again before every forward pass.
+    constant_buffers = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
+                        inspect.signature(DistributedDataParallel).parameters
+                        else {"broadcast_buffers": False})  # torch < 2.13's name
+    ddp_model = DistributedDataParallel(
+        model, device_ids=[processes.device.index] if processes.device.type == "cuda"
+        else None, gradient_as_bucket_view=True, **constant_buffers)
+    if gradient_sync_dtype(grad_sync, processes) == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        processes.log("gradients all-reduced in bf16 (--grad-sync)")
+    return ddp_model
 
 
 def collective_failed(error: BaseException) -> bool:

@@ -1,9 +1,10 @@
 """Training, as in §5 of the paper: Adam (β1 0.9, β2 0.98, ε 1e-9), the inverse-square-root
 schedule with linear warmup, label smoothing, dropout, batches of ~25000 source + 25000 target
 tokens per step over all processes, and checkpoints every 10 minutes. The loop, in call order:
-`train` starts the processes, `_start` the run (new, fine-tuning a model file, or resumed),
-`_step` makes one optimizer step, `_record` writes a metrics row (validated at a save) and a
-checkpoint, `_out_of_patience` stops a run that no longer improves (--patience).
+`train` starts the processes, `_start` the run (start.start: new, fine-tuning a model file, or
+resumed), `_step` makes one optimizer step, `_record` writes a metrics row (validated at a save:
+validation.Validation) and a checkpoint, `_out_of_patience` stops a run that no longer improves
+(--patience).
 
 Reproducibility is by construction, so that 1 process equals N processes and a resumed run equals
 an uninterrupted one:
@@ -16,14 +17,13 @@ an uninterrupted one:
 - dropout is seeded from (seed, step, the micro-batch's place in the step), whichever process
   draws it, so no RNG state has to travel.
 Where each of those lives: batching.py (the micro-batches), distributed.py (the processes and
-what they agree on), resume.py (what a resumed run restores and may change).
+what they agree on), start.py (where a run starts, and what a resumed run restores and may
+change).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import inspect
 import math
 import signal
 import time
@@ -34,28 +34,22 @@ from typing import Callable, Protocol
 import torch
 
 from .. import checkpoints
-from ..batching import Batch, BatchPlan, StepStream, batch_plan, collate, token_batches
-from ..checkpoints import ResumePoint, metric_key
-from ..config import Architecture, ModelConfig, Recipe, TrainOptions, get_preset, parse_interval
-from ..data import ParallelData
-from ..devices import autocast, resolve_dtype, warn_if_bf16_is_emulated
-from ..errors import AttnError, TrainingDiverged
-from ..files import file_sha256
-from ..model import Transformer
-from ..modelfile import LoadedModel, load_model, read_model_header, unwrap
-from . import resume
+from ..batching import Batch, BatchPlan, StepStream, batch_plan
+from ..checkpoints import ResumePoint
+from ..config import Recipe, TrainOptions, parse_interval
+from ..devices import autocast, warn_if_bf16_is_emulated
+from ..errors import AttnError, TrainingDiverged, batch_must_fit
 from .distributed import (
     Processes,
     all_reduce_sum,
     collective_failed,
     from_main,
-    gather_to_main,
-    gradient_sync_dtype,
-    same_on_every_rank,
     start_processes,
     stop_processes,
+    wrap_for_ddp,
 )
-from .validation import Validator
+from .start import Start, announce, lock_run_directory, resumed_stream, start
+from .validation import Validation
 
 
 def train(options: TrainOptions, display: Display | None = None) -> Path | None:
@@ -64,7 +58,7 @@ def train(options: TrainOptions, display: Display | None = None) -> Path | None:
     processes = start_processes(options.device, options.dist_timeout_minutes)
     lock, finished = None, False
     try:
-        lock = _lock_run_directory(Path(options.output), processes)
+        lock = lock_run_directory(Path(options.output), processes)
         last = _train(options, processes,
                       display if display is not None and processes.is_main else _Quiet())
         finished = True
@@ -83,28 +77,13 @@ def train(options: TrainOptions, display: Display | None = None) -> Path | None:
             lock.release()
 
 
-def _lock_run_directory(run_dir: Path, processes: Processes) -> checkpoints.RunLock | None:
-    """The main process locks the run directory (checkpoints.RunLock); where another training
-    holds it, every process stops with the main one's error line."""
-    lock, refused = None, None
-    if processes.is_main:
-        try:
-            lock = checkpoints.RunLock(run_dir)
-        except AttnError as error:
-            refused = str(error)
-    refused = from_main(refused, processes)
-    if refused:
-        raise AttnError(refused)
-    return lock
-
-
 def _train(options: TrainOptions, processes: Processes, display: Display) -> Path | None:
     """The loop of §5: a step at a time until max_steps, --max-time, a signal or --patience; a
     metrics row every --log-every steps; a checkpoint (after validation) when one is due and at
     the end."""
-    run, point = _start(options, processes, display)
-    step = point.step
-    clock = _Clock(point.elapsed_seconds, step, run.recipe.save_every, options.max_time)
+    run = _start(options, processes, display)
+    step = run.point.step
+    clock = _Clock(run.point.elapsed_seconds, step, run.recipe.save_every, options.max_time)
     window, last_checkpoint = _Window(), None
     display.start(run.recipe.max_steps, step)
     with StopRequest() as stop, contextlib.ExitStack() as cleanup:
@@ -148,210 +127,45 @@ def _train(options: TrainOptions, processes: Processes, display: Display) -> Pat
 
 
 @dataclass
-class _Run:
-    """What one training run works with; fixed once the run has started."""
+class _Run(Start):
+    """One training run: what it started with (start.Start: the data, the model, Adam, the
+    point it goes on from), and what it works with from there; fixed once it has started."""
 
     options: TrainOptions
     recipe: Recipe
     processes: Processes
     display: Display
-    run_dir: Path
-    data: ParallelData
-    valid: ParallelData | None
-    validator: Validator | None  # decodes the validation set (a share per process), scores it
-    dtype: str
     plan: BatchPlan
-    config: ModelConfig
-    model: Transformer
-    trained: torch.nn.Module  # the model, wrapped by DDP when distributed
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
+    ddp_model: torch.nn.Module  # the model, wrapped by DDP when distributed
     steps: StepStream
-    schedule_offset: int  # the step the warmup counts from (--reset-schedule)
+    validation: Validation | None  # at every save, when the run has validation data
     votes: torch.Tensor  # (3,) float64 on the host, page-locked on a GPU: a step's votes
-    provenance: dict[str, str]  # what every checkpoint records besides the preset (--init)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.options.output)
 
 
-@dataclass
-class _Prepared:
-    """What every process reads or builds for itself before they compare notes."""
-
-    data: ParallelData
-    valid: ParallelData | None
-    config: ModelConfig
-    model: Transformer
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    point: ResumePoint
-    provenance: dict[str, str]
-
-
-def _start(options: TrainOptions, processes: Processes,
-           display: Display) -> tuple[_Run, ResumePoint]:
+def _start(options: TrainOptions, processes: Processes, display: Display) -> _Run:
     """Data, model, optimizer and batches of a new or resumed run, the same on every rank."""
     recipe = options.recipe()
-    preset = get_preset(options.preset)
-    run_dir = Path(options.output)
-    resume_step = resume.resume_step(options, processes)
-    dtype = resolve_dtype(options.dtype, processes.device)
-
-    def prepare() -> _Prepared:
-        data = ParallelData(options.data)
-        valid = ParallelData(options.valid) if options.valid else None
-        if valid is not None:
-            data.check_same_vocab(valid)
-        model, optimizer, scaler, point, provenance = _model_and_optimizer(
-            options, processes, recipe, data, dtype, resume_step)
-        return _Prepared(data, valid, model.config, model, optimizer, scaler, point,
-                         provenance)
-
-    prepared = same_on_every_rank(processes, prepare, lambda prepared: resume.rank_facts(
-        options, prepared.data, prepared.valid, prepared.point,
-        prepared.provenance.get("init_sha256")))
-    model, point = prepared.model, prepared.point
-    validator = None  # on every process: each decodes its share of the validation set
-    if prepared.valid is not None and options.valid_metric != "loss":
-        validator = Validator.build(options.valid_metric, prepared.valid,
-                                    str(options.valid_ref) if options.valid_ref else None,
-                                    options.valid_beam)
-    if processes.is_main:
-        warn_if_bf16_is_emulated(dtype, processes.device, "train")
+    begun = start(options, processes)
     plan = batch_plan(recipe.batch_tokens, options.max_tokens, processes.world_size)
-    trained = model
-    if processes.distributed:
-        from torch.nn.parallel import DistributedDataParallel
-
-        # Gradients live in DDP's communication buckets (no copy in and out of them each step;
-        # `_step` zeroes them in place, which keeps them there). The one buffer, the sinusoid
-        # table, is a constant: not sent again before every forward pass.
-        constant_buffers = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
-                            inspect.signature(DistributedDataParallel).parameters
-                            else {"broadcast_buffers": False})  # torch < 2.13's name
-        trained = DistributedDataParallel(
-            model, device_ids=[processes.device.index] if processes.device.type == "cuda"
-            else None, gradient_as_bucket_view=True, **constant_buffers)
-        if gradient_sync_dtype(options.grad_sync, processes) == "bf16":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            trained.register_comm_hook(None, default_hooks.bf16_compress_hook)
-            processes.log("gradients all-reduced in bf16 (--grad-sync)")
+    validation = None if begun.valid is None else Validation.build(
+        begun.valid, options.valid_metric, options.valid_ref, options.valid_beam,
+        plan.max_tokens, recipe.label_smoothing)
     if processes.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None:
-            torn = checkpoints.truncate_metrics(run_dir, point.step)
-            if torn:
-                processes.log(f"resume: {torn}")
-        what = (preset.name if "init" not in prepared.provenance else
-                f"fine-tuning {prepared.provenance['init']} with {preset.name}'s recipe")
-        processes.log(f"{what}: {sum(p.numel() for p in model.parameters()):,} "
-                      f"parameters, {len(prepared.data)} training pairs, {dtype} on "
-                      f"{processes.device}")
-        processes.log(plan.describe())
-    stream = resume.resumed_stream(prepared.data, plan, options.seed, point, processes)
+        warn_if_bf16_is_emulated(begun.dtype, processes.device, "train")
+    ddp_model = wrap_for_ddp(begun.model, processes, options.grad_sync)
+    if processes.is_main:
+        announce(begun, options, plan, processes)
+    stream = resumed_stream(begun.data, plan, options.seed, begun.point, processes)
     on_gpu = processes.device.type == "cuda"
     steps = StepStream(stream, plan, processes.rank, ahead=on_gpu, pinned=on_gpu)
     votes = torch.zeros(3, dtype=torch.float64)
-    return _Run(options, recipe, processes, display, run_dir, prepared.data, prepared.valid,
-                validator, dtype, plan, prepared.config, model, trained, prepared.optimizer,
-                prepared.scaler, steps, point.schedule_offset,
-                votes.pin_memory() if on_gpu else votes, prepared.provenance), point
-
-
-def _model_and_optimizer(options: TrainOptions, processes: Processes, recipe: Recipe,
-                         data: ParallelData, dtype: str, step: int | None):
-    """A new model (the preset's, or --init's model file) and optimizer from step 0, or
-    checkpoint `step`'s with Adam's moments, the data position and the schedule as they were:
-    (model, optimizer, scaler, resume point, provenance)."""
-    torch.manual_seed(options.seed)
-    scaler = torch.amp.GradScaler("cuda", enabled=dtype == "fp16")
-    if step is not None:
-        loaded, state = resume.load(options, processes, _preset_config(options, recipe, data),
-                                    data, step)
-        model = loaded.model.train()
-        optimizer = adam(model)
-        point = resume.restore(state, model, optimizer, scaler, options, dtype, processes)
-        # the model file it was seeded from, as its checkpoint recorded it (--init may have
-        # moved since; it is not read again)
-        return model, optimizer, scaler, point, checkpoints.init_provenance(loaded)
-    if options.init is not None:
-        model, provenance = _init_model(options.init, recipe, data, processes.device)
-    else:
-        model = Transformer(_preset_config(options, recipe, data)).to(processes.device)
-        provenance = {}
-    return model.train(), adam(model), scaler, ResumePoint(), provenance
-
-
-def _preset_config(options: TrainOptions, recipe: Recipe, data: ParallelData) -> ModelConfig:
-    """The preset's network for the data's vocabulary, with the recipe's dropout."""
-    return get_preset(options.preset).model_config(
-        len(data.src_vocab), None if data.shared_vocab else len(data.tgt_vocab),
-        dropout=recipe.dropout)
-
-
-# ------------------------------------------------------------------ fine-tuning: --init
-
-
-def _init_model(init: Path, recipe: Recipe, data: ParallelData,
-                device: torch.device) -> tuple[Transformer, dict[str, str]]:
-    """Fine-tuning: the network of the model file `init` (its config as it is, whatever fields
-    it has, with the recipe's dropout) holding its weights, loaded strictly; and the provenance
-    its run's checkpoints record. The optimizer and the schedule start afresh at step 0."""
-    try:
-        loaded = load_model(init)
-    except AttnError as error:
-        raise AttnError(f"--init: {error}") from None
-    _check_init_vocabulary(init, loaded, data)
-    model = Transformer(dataclasses.replace(loaded.config, dropout=recipe.dropout)).to(device)
-    model.load_state_dict(loaded.model.state_dict(), strict=True)
-    return model, {"init": str(init), "init_sha256": file_sha256(init)}
-
-
-def _check_init_vocabulary(init: Path, loaded: LoadedModel, data: ParallelData) -> None:
-    """The data must be in the model's pieces: the vocabularies' checksums must agree."""
-    for side, vocabulary in (("src", loaded.src_vocab), ("tgt", loaded.tgt_vocab)):
-        binarized_with = data.metadata.get(f"{side}_vocab_sha256")
-        if binarized_with != vocabulary.checksum:
-            raise AttnError(f"{data.path} was binarized with another vocabulary than the model "
-                            f"file {init} ({side} vocabulary sha256 {str(binarized_with)[:12]} "
-                            f"vs {vocabulary.checksum[:12]}): binarize it with the model's "
-                            f"(`attn binarize --vocab {init} ...`)")
-
-
-def init_config(init: Path) -> ModelConfig:
-    """The network of the model file `init` (its header only: no weights read)."""
-    try:
-        return read_model_header(init)[1]
-    except AttnError as error:
-        raise AttnError(f"--init: {error}") from None
-
-
-def check_init_preset(init: Path, preset_name: str) -> None:
-    """A --preset given beside --init must describe the model file's architecture (its dropout
-    aside, a recipe option): the file's architecture is the one trained, and a contradicting
-    preset is a mistake to say, not an override to drop silently."""
-    config = init_config(init)
-    preset = get_preset(preset_name)
-    differ = [field.name for field in dataclasses.fields(Architecture)
-              if field.name != "dropout"
-              and getattr(preset, field.name) != getattr(config, field.name)]
-    if differ:
-        model_has = ", ".join(f"{name} {getattr(config, name)}" for name in differ)
-        preset_has = ", ".join(str(getattr(preset, name)) for name in differ)
-        raise AttnError(f"--preset {preset_name} contradicts --init {init}: the model has "
-                        f"{model_has} where the preset has {preset_has} (the architecture comes "
-                        "from the model file: leave out --preset, or give one of that "
-                        "architecture for its recipe)")
-
-
-def adam(model: torch.nn.Module) -> torch.optim.Adam:
-    """§5.3: Adam with β1 = 0.9, β2 = 0.98, ε = 1e-9 (the rate is set every step). Fused (one
-    kernel for every parameter) where torch has it: CUDA, and CPUs from torch 2.4 (3% of a
-    `small` step on 2 cores)."""
-    parameters = list(model.parameters())
-    try:
-        return torch.optim.Adam(parameters, lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True)
-    except RuntimeError:  # this torch has no fused Adam for this device
-        return torch.optim.Adam(parameters, lr=0.0, betas=(0.9, 0.98), eps=1e-9)
+    return _Run(**vars(begun), options=options, recipe=recipe, processes=processes,
+                display=display, plan=plan, ddp_model=ddp_model, steps=steps,
+                validation=validation, votes=votes.pin_memory() if on_gpu else votes)
 
 
 # --------------------------------------------------------------------------------- a step
@@ -396,9 +210,11 @@ def _step(run: _Run, step: int, votes: Callable[[], Votes]) -> StepResult:
     # Each rank's losses are scaled so that the gradients DDP averages add up to the gradient
     # of (global loss sum / global target tokens).
     loss_scale = run.processes.world_size / tgt_tokens
-    sums = forward_backward(run.trained, taken.mine, loss_scale, run.recipe.label_smoothing,
-                            run.processes, run.dtype, run.scaler, seed=(run.options.seed, step))
-    lr = inverse_sqrt_lr(step + 1 - run.schedule_offset, run.config.d_model,
+    with _batch_must_fit(run.options, run.recipe):
+        sums = forward_backward(run.ddp_model, taken.mine, loss_scale,
+                                run.recipe.label_smoothing, run.processes, run.dtype, run.scaler,
+                                seed=(run.options.seed, step))
+    lr = inverse_sqrt_lr(step + 1 - run.point.schedule_offset, run.model.config.d_model,
                          run.recipe.warmup, run.recipe.lr_scale)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
@@ -430,7 +246,7 @@ def dropout_seed(seed: int, step: int, micro_batch: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + micro_batch) % (2 ** 63)
 
 
-def forward_backward(trained: torch.nn.Module, batches: list[tuple[int, Batch]],
+def forward_backward(ddp_model: torch.nn.Module, batches: list[tuple[int, Batch]],
                      loss_scale: float, epsilon: float, processes: Processes, dtype: str,
                      scaler: torch.amp.GradScaler, seed: tuple[int, int]) -> torch.Tensor:
     """Accumulate the gradients of this process's share of one step's micro-batches
@@ -444,15 +260,27 @@ def forward_backward(trained: torch.nn.Module, batches: list[tuple[int, Batch]],
         batch = host_batch.to(processes.device)
         last = count == len(batches)
         sync = contextlib.nullcontext() if last or not processes.distributed else \
-            trained.no_sync()
+            ddp_model.no_sync()
         with sync:
             with autocast(processes.device, dtype):
-                loss, nll = trained(batch.src_tokens, batch.tgt_input,
-                                    output_positions=batch.target_positions,
-                                    targets=batch.targets, label_smoothing=epsilon)
+                loss, nll = ddp_model(batch.src_tokens, batch.tgt_input,
+                                      output_positions=batch.target_positions,
+                                      targets=batch.targets, label_smoothing=epsilon)
             scaler.scale(loss * loss_scale).backward()
         sums += torch.stack([loss.detach(), nll]).double()
     return sums
+
+
+def _batch_must_fit(options: TrainOptions, recipe: Recipe) -> contextlib.AbstractContextManager:
+    """The device out of memory in a step's forward and backward passes: one line naming the
+    option that sized them, with its value, and the one that makes them fit."""
+    if options.max_tokens:
+        return batch_must_fit(f"forward passes of up to {options.max_tokens} tokens",
+                              f"lower --max-tokens ({options.max_tokens}; gradient accumulation "
+                              "keeps the batch --batch-tokens)")
+    return batch_must_fit("one forward pass per step of the whole --batch-tokens "
+                          f"({recipe.batch_tokens})",
+                          "add --max-tokens (gradient accumulation keeps the batch)")
 
 
 # --------------------------------------------------------------------- metrics and saving
@@ -462,8 +290,8 @@ def _record(run: _Run, step: int, row: dict, save: bool, clock: _Clock) -> Path 
     """A metrics row (with validation when saving), then the checkpoint when `save`. The row
     goes to disk first: a run killed between the two resumes from the previous checkpoint and
     rewrites this row, never loses it. Returns the checkpoint written (None: none)."""
-    if save and run.valid is not None:
-        row.update(validate(run))
+    if save and run.validation is not None:
+        row.update(run.validation.row(run.model, run.processes, run.dtype))
     if len(row) > 2 and run.processes.is_main:  # more than the step and the time
         checkpoints.append_metrics(run.run_dir, row)
     checkpoint = None
@@ -475,90 +303,13 @@ def _record(run: _Run, step: int, row: dict, save: bool, clock: _Clock) -> Path 
     return checkpoint
 
 
-def validate(run: _Run) -> dict:
-    """The validation fields of a metrics row: loss and perplexity, the metric's score, which
-    metric, and the seconds it all took (apart from training time: the next row's tokens/s
-    counts training steps only). Every process takes its share of the work."""
-    started = time.monotonic()
-    fields = evaluate(run.trained, run.valid, run.plan.max_tokens, run.recipe.label_smoothing,
-                      run.processes, run.dtype)
-    if run.validator is not None:
-        score = validation_score(run.validator, run.model, run.processes, run.dtype)
-        if score is not None:
-            fields[metric_key(run.validator.metric)] = score
-    fields["valid_metric"] = run.options.valid_metric
-    fields["valid_s"] = time.monotonic() - started
-    return fields
-
-
-# What a validation by decoding may raise without ending hours of training: said, and the run
-# goes on without that score.
-_VALIDATION_ERRORS = (AttnError, RecursionError, RuntimeError, ValueError)
-
-
-def validation_score(validator: Validator, model: Transformer, processes: Processes,
-                     dtype: str) -> float | None:
-    """The validation metric's score (main process; None elsewhere, and where it failed): each
-    process decodes every world_size-th batch, the main process gathers the outputs and scores
-    them. On 8 GPUs the decoding takes an eighth of the time one process would, with no GPU
-    waiting for another; the outputs are those of one process (each batch is searched
-    alone)."""
-    try:
-        with autocast(processes.device, dtype):
-            share = {"output": validator.search(model, processes.rank, processes.world_size)}
-    except _VALIDATION_ERRORS as error:
-        share = {"error": f"{type(error).__name__}: {error}"}
-    shares = gather_to_main(share, processes)
-    if not processes.is_main:
-        return None
-    failed = next((share["error"] for share in shares if "error" in share), None)
-    try:
-        if failed is None:
-            output = {index: tokens for share in shares for index, tokens in
-                      share["output"].items()}
-            return validator.score_texts(validator.texts(output))
-    except _VALIDATION_ERRORS as error:
-        failed = f"{type(error).__name__}: {error}"
-    processes.log(f"validation by {validator.metric} failed, the run goes on without that "
-                  f"score: {failed}")
-    return None
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, data: ParallelData, max_tokens: int, epsilon: float,
-             processes: Processes, dtype: str) -> dict[str, float]:
-    """Validation loss (label-smoothed, like the training loss) and perplexity (exp of the
-    per-token NLL, EOS included), each process scoring its share of the batches."""
-    bare = unwrap(model)
-    was_training = bare.training
-    bare.eval()
-    batches = token_batches(data.src_lengths, data.tgt_lengths, max_tokens, seed=0)
-    totals = torch.zeros(2, dtype=torch.float64, device=processes.device)
-    tokens = 0
-    for indices in batches[processes.rank::processes.world_size]:
-        batch = collate(data, indices)
-        tokens += batch.target_count
-        batch = batch.to(processes.device)
-        with autocast(processes.device, dtype):
-            loss, nll = bare(batch.src_tokens, batch.tgt_input,
-                             output_positions=batch.target_positions, targets=batch.targets,
-                             label_smoothing=epsilon)
-        totals += torch.stack([loss, nll]).double()
-    totals = torch.cat([totals, torch.tensor([tokens], dtype=torch.float64,
-                                             device=processes.device)])
-    loss_sum, nll_sum, tokens = all_reduce_sum(totals, processes)
-    bare.train(was_training)
-    return {"valid_loss": loss_sum / tokens, "valid_nll": nll_sum / tokens,
-            "valid_ppl": math.exp(min(nll_sum / tokens, 700))}
-
-
 def _save(run_dir: Path, step: int, run: _Run, elapsed: float) -> Path | None:
     """The model and its training state after `step`, then the old checkpoints pruned."""
     if not run.processes.is_main:
         return None
     epoch, offset = run.steps.position
     point = ResumePoint(step=step, epoch=epoch, offset=offset, elapsed_seconds=elapsed,
-                        schedule_offset=run.schedule_offset, batch_plan=run.plan.record(),
+                        schedule_offset=run.point.schedule_offset, batch_plan=run.plan.record(),
                         earlier_budgets=run.steps.earlier_budgets)
     state = checkpoints.ResumeState(point, options=run.options.record(), adam={},
                                     scaler=run.scaler.state_dict() if run.scaler.is_enabled()
@@ -572,13 +323,9 @@ def _save(run_dir: Path, step: int, run: _Run, elapsed: float) -> Path | None:
         good = checkpoints.list_checkpoints(run_dir, need_state=True)
         raise AttnError(f"{error}; the last checkpoint safe to resume from is {good[-1][1]}"
                         if good else f"{error}; no checkpoint was written yet") from None
-    best = set()
-    if run.options.keep_best and run.valid is not None:
-        metric, scores = checkpoints.scored_steps(run_dir, run.options.valid_metric)
-        saved = {step for step, _ in checkpoints.list_checkpoints(run_dir)}
-        best = set(checkpoints.best_steps({step: score for step, score in scores.items()
-                                           if step in saved}, metric, run.options.keep_best))
-    checkpoints.prune_checkpoints(run_dir, run.options.keep, best, run.options.keep_state)
+    checkpoints.prune_after_save(run_dir, run.options.keep, run.options.keep_state,
+                                 run.options.keep_best if run.validation is not None else 0,
+                                 run.options.valid_metric)
     return path
 
 
@@ -588,7 +335,7 @@ def _out_of_patience(run: _Run, step: int, clock: _Clock) -> str | None:
     save cadence's steps (not those of a save where a run was stopped off it), so that a
     resumed run counts as the uninterrupted one did; rank 0 reads them and decides for every
     rank."""
-    if not run.options.patience or run.valid is None:
+    if not run.options.patience or run.validation is None:
         return None
     reason = None
     if run.processes.is_main:
@@ -682,7 +429,7 @@ class _Clock:
 
 
 class Display(Protocol):
-    """What the run shows as it goes (train_report.TrainingDisplay), on the main process."""
+    """What the run shows as it goes (report.TrainingDisplay), on the main process."""
 
     def start(self, total_steps: int, start_step: int) -> None: ...
 

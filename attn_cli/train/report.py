@@ -15,7 +15,7 @@ from ..config import ModelConfig, Preset, Recipe, TrainOptions, get_preset
 from ..data import ParallelData
 from ..errors import AttnError
 from ..model import Transformer
-from .loop import init_config
+from ..modelfile import init_config
 
 
 class TrainingDisplay:

@@ -10,7 +10,9 @@ import sys
 import pytest
 import torch
 
-from attn_cli.modelfile import load_model
+from attn_cli.config import ModelConfig
+from attn_cli.model import Transformer
+from attn_cli.modelfile import load_model, save_model
 from attn_cli.search import beam_search
 from attn_cli.vocab import Vocabulary, learn
 
@@ -81,6 +83,42 @@ def test_export_then_import_round_trips_bit_exactly(trained, tmp_path):
     original, imported = load_model(model), load_model(back)
     assert imported.config == original.config
     assert imported.src_vocab.model_bytes == original.src_vocab.model_bytes
+    ours, theirs = original.model.state_dict(), imported.model.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
+def test_separate_embeddings_and_biases_round_trip_bit_exactly(spm_model, corpus, tmp_path):
+    """The mapping's other rows: a source embedding of its own (Marian then has no shared
+    matrix), attention and output biases, swish; biases and norms drawn at random, so that a
+    vector permuted wrongly shows."""
+    vocabulary = Vocabulary(spm_model.read_bytes())
+    config = ModelConfig(encoder_layers=2, decoder_layers=2, d_model=32, d_ff=64, heads=2,
+                         d_k=16, d_v=16, dropout=0.0, src_vocab_size=len(vocabulary),
+                         tgt_vocab_size=len(vocabulary), share_embeddings=False,
+                         activation="swish", attention_bias=True, output_bias=True)
+    torch.manual_seed(5)
+    model = Transformer(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 1:
+                parameter.normal_(std=0.5)
+    path = tmp_path / "model.st"
+    save_model(path, model, vocabulary, vocabulary)
+    assert run_attn("export", "hf", path, "-o", tmp_path / "hf").returncode == 0
+    marian = transformers.MarianMTModel.from_pretrained(tmp_path / "hf").eval()
+    assert not marian.config.share_encoder_decoder_embeddings
+    for module in marian.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            module.eps = config.layer_norm_eps
+    tokenizer = transformers.MarianTokenizer.from_pretrained(tmp_path / "hf")
+    lines = corpus["val.en"].read_text(encoding="utf-8").splitlines()[:5]
+    outputs = corpus["val.de"].read_text(encoding="utf-8").splitlines()[:5]
+    original = load_model(path)
+    assert largest_logit_difference(original, marian, tokenizer, lines, outputs) < 1e-4
+    assert run_attn("import", "hf", tmp_path / "hf", "-o", tmp_path / "back.st").returncode == 0
+    imported = load_model(tmp_path / "back.st")
+    assert imported.config == original.config
     ours, theirs = original.model.state_dict(), imported.model.state_dict()
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)

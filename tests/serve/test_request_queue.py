@@ -30,7 +30,7 @@ def submit_and_wait(queue: RequestQueue, jobs: list[Job]) -> None:
 
 
 def texts(job: Job) -> list[str]:
-    return [words[0] for _, words in job.outputs]
+    return [output[0][1] for output in job.outputs]
 
 
 def test_requests_sharing_batches_get_what_each_alone_gets(translator):
@@ -59,11 +59,12 @@ def test_a_batch_holds_one_setting_within_the_budget_and_skips_cancelled_request
     for job in (greedy, beam, gone):
         queue.submit(job)
     assert queue.waiting == 12
-    gone.cancelled = True
+    queue.cancel(gone)
+    assert queue.waiting == 8  # the cancelled request's lines left at once, unsearched
     batch = queue._take(0, 0.0)
     assert {line.job for line in batch} == {greedy} and len(batch) == 4
     queue._search(batch)
-    assert queue.waiting == 4  # the cancelled request's lines left unsearched
+    assert queue.waiting == 4
     assert texts(greedy) == translator.with_options(beam=1).translate(lines[:4])
     small = translator.with_options(batch_tokens=4 * 30)  # 30 source tokens a batch at beam 4
     tight = Job(lines[:4], small, lambda job: None)

@@ -1,8 +1,8 @@
 """`attn serve` (attn_cli/serve/server.py): the real server started on a free port and talked to
 over HTTP — its answers against `attn decode`'s, LibreTranslate's client library, bad requests, the
 limits, the API key, a full queue, a client that goes away, SIGTERM, and a load of 10,000
-requests. The server and load generator are benchmarks/serve_load.py's (the benchmark is tested
-by being used here)."""
+requests. The server process and the clients are tests/serve/client.py's (benchmarks/serve_load.py
+measures with them too); what each request is answered, field by field, is test_api.py's."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 import urllib.error
@@ -18,9 +19,9 @@ import urllib.error
 import pytest
 
 from ..conftest import assert_clean_error, run_attn
+from .client import Connection, Server, request, run_clients
 
 pytest.importorskip("uvicorn", reason="attn[serve] is not installed")
-from benchmarks.serve_load import Connection, Server, request, run_clients  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -321,9 +322,26 @@ def test_refuses_bad_models_options_and_a_taken_port(trained, tmp_path):
     assert_clean_error(run_attn("serve", "-m", model, "--langs", "english"), "--langs")
     assert_clean_error(run_attn("serve", "-m", model, "--max-lines", 10, "--queue-lines", 5),
                        "--queue-lines")
+    assert_clean_error(run_attn("serve", "-m", model, "--beam", 8, "--max-beam", 4),
+                       "--beam (8) is above --max-beam (4)")
+    assert_clean_error(run_attn("serve", "-m", model, "--max-len-b", 5000),
+                       "--max-len-b must be at most 4096")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         assert_clean_error(run_attn("serve", "-m", model, "--port", port),
                            f"cannot listen on 127.0.0.1:{port}")
+
+
+def test_nothing_imports_torch_before_the_server_tunes_the_process(trained):
+    """server.tune_process sets the kernel caches' sizes in the environment, which torch reads
+    once, when it starts: `attn serve` must not have imported torch by then."""
+    model, _ = trained
+    code = ("import sys\nfrom attn_cli.serve import server\n"
+            "def tune():\n    print('torch' in sys.modules)\n    sys.exit(0)\n"
+            "server.tune_process = tune\nfrom attn_cli.cli import main\n"
+            f"main(['serve', '-m', {str(model)!r}, '--port', '0'])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout == "False\n", result.stderr

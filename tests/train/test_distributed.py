@@ -225,7 +225,7 @@ def _in_process(rank: int, work, port: int, arguments: tuple) -> None:
 def _gradient_addresses(processes, data: str, out: str) -> dict:
     options = TrainOptions(data=Path(data), output=Path(out) / "run", preset="tiny",
                            batch_tokens=1200, max_tokens=300, device="cpu", max_steps=5)
-    run, _ = training._start(options, processes, training._Quiet())
+    run = training._start(options, processes, training._Quiet())
     addresses = []
     for step in range(5):
         training._step(run, step, training.Votes)

@@ -1,4 +1,4 @@
-"""`attn train` (training.py): the paper's recipe (§5), gradient accumulation, whole runs, and a
+"""`attn train` (train/loop.py): the paper's recipe (§5), gradient accumulation, whole runs, and a
 model that learns a toy task."""
 
 from __future__ import annotations
@@ -16,10 +16,13 @@ from attn_cli.batching import MicroBatchStream, process_share
 from attn_cli.checkpoints import list_checkpoints
 from attn_cli.config import PRESETS
 from attn_cli.data import ParallelData
+from attn_cli.errors import AttnError
 from attn_cli.model import Transformer
 from attn_cli.modelfile import load_model
 from attn_cli.train import distributed
 from attn_cli.train import loop as training
+from attn_cli.train.start import adam
+from attn_cli.train.validation import evaluate
 
 from ..conftest import assert_clean_error, run_attn, train_args
 from ..toys import HostReads, reversal_pairs
@@ -118,6 +121,32 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_checkpoint(
     assert [step for step, _ in list_checkpoints(run_dir)] == [2, 4]
 
 
+@pytest.mark.parametrize("max_tokens,message", [
+    (300, "out of GPU memory with forward passes of up to 300 tokens (CUDA out of memory. "
+          "Tried to allocate 2.00 GiB.): lower --max-tokens (300; gradient accumulation keeps "
+          "the batch --batch-tokens)"),
+    (None, "out of GPU memory with one forward pass per step of the whole --batch-tokens (1200) "
+           "(CUDA out of memory. Tried to allocate 2.00 GiB.): add --max-tokens (gradient "
+           "accumulation keeps the batch)")])
+def test_out_of_memory_in_a_step_names_the_option_that_sized_its_forward_passes(
+        max_tokens, message, data_files, tmp_path, monkeypatch):
+    """The device's out-of-memory error (by name: torch's class on a GPU) in a step's forward
+    and backward passes is one line: the passes' size by the option that set it, with its
+    value, and what makes them fit."""
+    out_of_memory = type("OutOfMemoryError", (RuntimeError,), {})
+
+    def forward(self, *args, **kwargs):
+        raise out_of_memory("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore details")
+
+    monkeypatch.setattr(Transformer, "forward", forward)
+    options = config.TrainOptions(data=data_files[0], output=tmp_path / "run", preset="tiny",
+                                  batch_tokens=1200, max_tokens=max_tokens, max_steps=2,
+                                  device="cpu")
+    with pytest.raises(AttnError) as error:
+        training.train(options)
+    assert str(error.value) == message
+
+
 def test_dry_run_prints_the_batch_plan():
     result = run_attn("train", "--preset", "base", "--vocab-size", "37000", "--dry-run",
                       "--nproc", "2", "--max-tokens", "4096")
@@ -199,7 +228,7 @@ def test_a_training_step_makes_the_host_wait_for_nothing(data_files):
         sums = training.forward_backward(model, process_share(data, micro_batches, 0, 1),
                                          1 / tokens, 0.1, processes, "fp32", scaler,
                                          seed=(1, 0))
-        training.evaluate(model, valid, 600, 0.1, processes, "fp32")
+        evaluate(model, valid, 600, 0.1, processes, "fp32")
     assert reads.seen == []
     assert torch.isfinite(sums).all() and all(p.grad is not None for p in model.parameters())
 
@@ -251,7 +280,7 @@ def test_loss_scaling_changes_nothing_skips_a_step_with_inf_and_is_saved(data_fi
     for scaled in (False, True):
         torch.manual_seed(3)
         model = Transformer(config).train()
-        optimizer = training.adam(model)
+        optimizer = adam(model)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, enabled=scaled)
         step(model, optimizer, scaler)
         runs[scaled] = (model, optimizer, scaler)

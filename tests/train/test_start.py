@@ -1,8 +1,10 @@
-"""Resuming a run (resume.py): exactly where it stopped, after a kill -9 or a SIGTERM; what a
-resumed run may change, and what it refuses."""
+"""Where a run starts (start.py), here from its own checkpoint: resumed exactly where it stopped,
+after a kill -9 or a SIGTERM; what a resumed run may change, and what it refuses. (A new run is
+in test_loop.py, fine-tuning a model file in test_finetune.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import signal
@@ -11,13 +13,17 @@ import sys
 import time
 
 import pytest
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from attn_cli import config
-from attn_cli.checkpoints import list_checkpoints, state_path
+from attn_cli.checkpoints import ResumePoint, adam_tensors, list_checkpoints, state_path
 from attn_cli.config import PRESETS
+from attn_cli.modelfile import weights
 from attn_cli.train import loop as training
+from attn_cli.train.distributed import Processes
+from attn_cli.train.start import start
 
 from ..conftest import (
     REPO,
@@ -29,6 +35,28 @@ from ..conftest import (
 )
 
 FIXTURES = REPO / "tests" / "fixtures"
+
+
+def test_one_call_starts_a_new_run_at_step_0_and_a_resumed_one_at_its_checkpoint(data_files,
+                                                                                 tmp_path):
+    """`start` decides where a run starts: a new run at step 0 with Adam's moments empty;
+    with --resume the newest checkpoint's weights, Adam's moments and data position."""
+    options = config.TrainOptions(data=data_files[0], output=tmp_path / "run", preset="tiny",
+                                  max_steps=3, save_every="3", device="cpu")
+    processes = Processes(0, 1, torch.device("cpu"))
+    new = start(options, processes)
+    assert (new.resumed, new.point, new.provenance, new.valid) == (False, ResumePoint(), {}, None)
+    assert not new.optimizer.state and new.model.training
+    training.train(options)
+    resumed = start(dataclasses.replace(options, resume=True, max_steps=6), processes)
+    assert resumed.resumed and resumed.point.step == 3 and resumed.point.batch_plan
+    saved = load_file(str(tmp_path / "run" / "checkpoint-3.st"))
+    assert all(torch.equal(tensor, saved[name])
+               for name, tensor in weights(resumed.model).items())
+    adam = load_file(str(state_path(tmp_path / "run", 3)))
+    restored = adam_tensors(resumed.model, resumed.optimizer)
+    assert restored.keys() == adam.keys()
+    assert all(torch.equal(tensor, adam[name]) for name, tensor in restored.items())
 
 
 def test_refuses_to_overwrite_a_run_without_resume(data_files, tmp_path):

@@ -1,0 +1,328 @@
+"""Where a run starts: new (the preset's network, drawn from --seed), fine-tuning a model file
+(--init: its network and weights, with Adam and the schedule from step 0), or its own newest
+checkpoint (--resume). Rank 0 decides from its run directory for every process; each process then
+reads the data and builds the model itself, and they compare notes before the first step.
+
+A resumed run equals the uninterrupted one because everything that decides the next step is in
+the checkpoint: the weights, Adam's moments, the schedule's start, the data position (epoch, and
+micro-batches used, cut as they were: `earlier_budgets`), and dropout seeded from the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import checkpoints
+from ..batching import BatchPlan, MicroBatchStream
+from ..checkpoints import ResumePoint, ResumeState
+from ..config import (
+    FREELY_CHANGED,
+    PER_NODE_OPTIONS,
+    Architecture,
+    ModelConfig,
+    TrainOptions,
+    get_preset,
+)
+from ..data import ParallelData
+from ..devices import resolve_dtype
+from ..errors import AttnError
+from ..files import file_sha256
+from ..model import Transformer
+from ..modelfile import LoadedModel, init_config, load_model
+from .distributed import Processes, from_main, same_on_every_rank
+
+
+@dataclass
+class Start:
+    """What a run starts with, the same on every process."""
+
+    data: ParallelData
+    valid: ParallelData | None
+    dtype: str  # the forward pass's precision: fp32, bf16 or fp16
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    point: ResumePoint  # where it goes on from (step 0 for a new run)
+    provenance: dict[str, str]  # what every checkpoint records besides the preset (--init)
+    resumed: bool  # from a checkpoint of its own
+
+
+def lock_run_directory(run_dir: Path, processes: Processes) -> checkpoints.RunLock | None:
+    """The main process locks the run directory (checkpoints.RunLock); where another training
+    holds it, every process stops with the main one's error line."""
+    lock, refused = None, None
+    if processes.is_main:
+        try:
+            lock = checkpoints.RunLock(run_dir)
+        except AttnError as error:
+            refused = str(error)
+    refused = from_main(refused, processes)
+    if refused:
+        raise AttnError(refused)
+    return lock
+
+
+def start(options: TrainOptions, processes: Processes) -> Start:
+    """The data, the model, Adam and the point a run starts from, the same on every process:
+    with --resume, the newest whole checkpoint's (`resume_step`), with Adam's moments, the data
+    position and the schedule as they were; else a new model (the preset's, or --init's model
+    file) from step 0. A process that fails, or differs from rank 0, stops every process
+    (distributed.same_on_every_rank)."""
+    run_dir = Path(options.output)
+    resume_from = resume_step(run_dir, options.resume, processes)
+    dtype = resolve_dtype(options.dtype, processes.device)
+    dropout = options.recipe().dropout
+
+    def prepare() -> Start:
+        data = ParallelData(options.data)
+        valid = ParallelData(options.valid) if options.valid else None
+        if valid is not None:
+            data.check_same_vocab(valid)
+        torch.manual_seed(options.seed)
+        scaler = torch.amp.GradScaler("cuda", enabled=dtype == "fp16")
+        if resume_from is not None:
+            config = preset_config(options.preset, dropout, data)
+            loaded, state = load(run_dir, resume_from, processes.device)
+            check_resume(loaded, state, config, data, options, processes)
+            model = loaded.model.train()
+            optimizer = adam(model)
+            point = restore(state, model, optimizer, scaler, options, dtype, processes)
+            # the model file it was seeded from, as its checkpoint recorded it (--init may have
+            # moved since; it is not read again)
+            return Start(data, valid, dtype, model, optimizer, scaler, point,
+                         checkpoints.init_provenance(loaded), resumed=True)
+        if options.init is not None:
+            model, provenance = init_model(options.init, dropout, data, processes.device)
+        else:
+            config = preset_config(options.preset, dropout, data)
+            model, provenance = Transformer(config).to(processes.device), {}
+        return Start(data, valid, dtype, model.train(), adam(model), scaler, ResumePoint(),
+                     provenance, resumed=False)
+
+    return same_on_every_rank(processes, prepare, lambda begun: rank_facts(options, begun))
+
+
+def announce(begun: Start, options: TrainOptions, plan: BatchPlan, processes: Processes) -> None:
+    """On the main process: the run directory made (a resumed run's metrics rows after its
+    checkpoint dropped, which it writes again), and what is trained, on what, in which
+    batches."""
+    run_dir = Path(options.output)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if begun.resumed:
+        torn = checkpoints.truncate_metrics(run_dir, begun.point.step)
+        if torn:
+            processes.log(f"resume: {torn}")
+    what = (options.preset if "init" not in begun.provenance else
+            f"fine-tuning {begun.provenance['init']} with {options.preset}'s recipe")
+    processes.log(f"{what}: {sum(p.numel() for p in begun.model.parameters()):,} parameters, "
+                  f"{len(begun.data)} training pairs, {begun.dtype} on {processes.device}")
+    processes.log(plan.describe())
+
+
+def preset_config(preset: str, dropout: float, data: ParallelData) -> ModelConfig:
+    """The preset's network for the data's vocabulary, with the recipe's dropout."""
+    return get_preset(preset).model_config(
+        len(data.src_vocab), None if data.shared_vocab else len(data.tgt_vocab), dropout=dropout)
+
+
+def adam(model: torch.nn.Module) -> torch.optim.Adam:
+    """§5.3: Adam with β1 = 0.9, β2 = 0.98, ε = 1e-9 (the rate is set every step). Fused (one
+    kernel for every parameter) where torch has it: CUDA, and CPUs from torch 2.4."""
+    parameters = list(model.parameters())
+    try:
+        return torch.optim.Adam(parameters, lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    except RuntimeError:  # this torch has no fused Adam for this device
+        return torch.optim.Adam(parameters, lr=0.0, betas=(0.9, 0.98), eps=1e-9)
+
+
+def rank_facts(options: TrainOptions, begun: Start) -> dict:
+    """What every rank must share with rank 0: the options (less the paths, which may differ
+    from node to node: the files' contents are compared instead), the data and the model file
+    a fine-tuning run starts from by checksum, and the point it resumes from."""
+    point = begun.point
+    return {
+        "options": {key: value for key, value in options.record().items()
+                    if key not in PER_NODE_OPTIONS},
+        "data file": file_sha256(begun.data.path),
+        "validation file": file_sha256(begun.valid.path) if begun.valid is not None else None,
+        "init model file": begun.provenance.get("init_sha256"),
+        "resumed from": {"step": point.step, "epoch": point.epoch,
+                         "offset": point.offset, "elapsed_s": point.elapsed_seconds},
+    }
+
+
+# ---------------------------------------------------------------------- fine-tuning: --init
+
+
+def init_model(init: Path, dropout: float, data: ParallelData,
+               device: torch.device) -> tuple[Transformer, dict[str, str]]:
+    """Fine-tuning: the network of the model file `init` (its config as it is, whatever fields
+    it has, with the recipe's dropout) holding its weights, loaded strictly; and the provenance
+    its run's checkpoints record. The optimizer and the schedule start afresh at step 0."""
+    try:
+        loaded = load_model(init)
+    except AttnError as error:
+        raise AttnError(f"--init: {error}") from None
+    check_init_vocabulary(init, loaded, data)
+    model = Transformer(dataclasses.replace(loaded.config, dropout=dropout)).to(device)
+    model.load_state_dict(loaded.model.state_dict(), strict=True)
+    return model, {"init": str(init), "init_sha256": file_sha256(init)}
+
+
+def check_init_vocabulary(init: Path, loaded: LoadedModel, data: ParallelData) -> None:
+    """The data must be in the model's pieces: the vocabularies' checksums must agree."""
+    for side, vocabulary in (("src", loaded.src_vocab), ("tgt", loaded.tgt_vocab)):
+        binarized_with = data.metadata.get(f"{side}_vocab_sha256")
+        if binarized_with != vocabulary.checksum:
+            raise AttnError(f"{data.path} was binarized with another vocabulary than the model "
+                            f"file {init} ({side} vocabulary sha256 {str(binarized_with)[:12]} "
+                            f"vs {vocabulary.checksum[:12]}): binarize it with the model's "
+                            f"(`attn binarize --vocab {init} ...`)")
+
+
+def check_init_preset(init: Path, preset_name: str) -> None:
+    """A --preset given beside --init must describe the model file's architecture (its dropout
+    aside, a recipe option): the file's architecture is the one trained, and a contradicting
+    preset is a mistake to say, not an override to drop silently."""
+    config = init_config(init)
+    preset = get_preset(preset_name)
+    differ = [field.name for field in dataclasses.fields(Architecture)
+              if field.name != "dropout"
+              and getattr(preset, field.name) != getattr(config, field.name)]
+    if differ:
+        model_has = ", ".join(f"{name} {getattr(config, name)}" for name in differ)
+        preset_has = ", ".join(str(getattr(preset, name)) for name in differ)
+        raise AttnError(f"--preset {preset_name} contradicts --init {init}: the model has "
+                        f"{model_has} where the preset has {preset_has} (the architecture comes "
+                        "from the model file: leave out --preset, or give one of that "
+                        "architecture for its recipe)")
+
+
+# ------------------------------------------------------------------------- resuming: --resume
+
+
+def resume_step(run_dir: Path, resume: bool, processes: Processes) -> int | None:
+    """The step of the checkpoint to resume from (None: a new run), as rank 0 finds its run
+    directory, sent to every rank: no rank decides from its own disk, which on another node may
+    hold other checkpoints or none. Refuses to overwrite a run without --resume."""
+    decision: dict = {}
+    if processes.is_main:
+        existing = checkpoints.list_checkpoints(run_dir, need_state=True)
+        if existing and not resume:
+            decision["error"] = (f"{run_dir} already holds checkpoints (last: step "
+                                 f"{existing[-1][0]}); add --resume to continue that run, or "
+                                 "choose another -o")
+        elif existing:
+            decision.update(newest_intact(run_dir, [step for step, _ in existing], processes))
+        elif resume:
+            processes.log(f"nothing to resume in {run_dir}: starting a new run")
+    decision = from_main(decision, processes)
+    if "error" in decision:
+        raise AttnError(decision["error"])
+    return decision.get("step")
+
+
+def newest_intact(run_dir: Path, steps: list[int], processes: Processes) -> dict:
+    """{"step": the newest checkpoint whose model and state files are whole}, each newer one
+    skipped named with why (a disk or copy fault, a kill in the middle of a copy), or {"error"}
+    when none is."""
+    skipped = []
+    for step in reversed(steps):
+        problem = checkpoints.intact_checkpoint(run_dir, step)
+        if problem is None:
+            for earlier in skipped:
+                processes.log(f"resume: skipped {earlier}")
+            return {"step": step}
+        skipped.append(f"checkpoint-{step}: {problem}")
+    return {"error": f"no checkpoint in {run_dir} can be resumed from: " + "; ".join(skipped)}
+
+
+def load(run_dir: Path, step: int, device: torch.device) -> tuple[LoadedModel, ResumeState]:
+    """Checkpoint `step` of the run and its state, which every process must see at rank 0's
+    run directory path."""
+    if not (checkpoints.checkpoint_path(run_dir, step).exists()
+            and checkpoints.state_path(run_dir, step).exists()):
+        raise AttnError(f"{run_dir} holds no checkpoint-{step}.st and its state, which rank 0 "
+                        "resumes from: every process must see rank 0's run directory at its -o "
+                        "path (on several nodes, a shared file system)")
+    return checkpoints.load_checkpoint(run_dir, step, device)
+
+
+def check_resume(loaded: LoadedModel, state: ResumeState, config: ModelConfig,
+                 data: ParallelData, options: TrainOptions, processes: Processes) -> None:
+    """Refuse a changed architecture (against `config`, the preset's) or vocabulary; say which
+    options differ. A run seeded by --init (its checkpoints record the model file) has that
+    file's architecture, not the preset's, and goes on with it whether or not --init is given
+    again."""
+    if loaded.src_vocab.checksum != data.metadata["src_vocab_sha256"]:
+        raise AttnError(f"{options.data} was binarized with another vocabulary than the run "
+                        f"in {options.output}: resuming needs the same vocabulary")
+    architecture = {f.name for f in dataclasses.fields(ModelConfig)} - {"dropout"}
+    seeded = "init" in loaded.metadata
+    changed = [] if seeded else [name for name in sorted(architecture)
+                                 if getattr(loaded.config, name) != getattr(config, name)]
+    if changed:
+        differences = ", ".join(f"{name} {getattr(loaded.config, name)} -> "
+                                f"{getattr(config, name)}" for name in changed)
+        raise AttnError(f"the run in {options.output} has another architecture "
+                        f"({differences}); start a new run to change it")
+    recorded, saved = options.record(), state.options
+    for key in sorted(set(recorded) | set(saved)):
+        if key == "resume" or (key == "init" and recorded.get(key) is None):
+            continue  # --init seeds a new run only: leaving it out on resume changes nothing
+        before, after = saved.get(key), recorded.get(key)
+        if before != after:
+            note = "" if key in FREELY_CHANGED else " (changes the recipe)"
+            processes.log(f"resume: {key} {before} -> {after}{note}")
+
+
+def restore(state: ResumeState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            scaler: torch.amp.GradScaler, options: TrainOptions, dtype: str,
+            processes: Processes) -> ResumePoint:
+    """Adam's moments and the fp16 loss scale as they were (unless --reset-optimizer), and the
+    point the run goes on from (the warmup restarted with --reset-schedule)."""
+    if options.reset_optimizer:
+        processes.log("--reset-optimizer: Adam's moments start from zero")
+    else:
+        checkpoints.restore_adam(model, optimizer, state.adam)
+        if state.scaler and dtype == "fp16":
+            scaler.load_state_dict(state.scaler)
+    point = state.point
+    if options.init is not None:
+        processes.log(f"resume: --init {options.init} is not read: it seeds a new run, and this "
+                      "one goes on from its checkpoint")
+    if options.reset_schedule:
+        point = dataclasses.replace(point, schedule_offset=point.step)
+        processes.log(f"--reset-schedule: warmup starts again at step {point.step + 1}")
+    processes.log(f"resuming {Path(options.output)} from step {point.step} (epoch "
+                  f"{point.epoch}, batch {point.offset})")
+    return point
+
+
+def resumed_stream(data: ParallelData, plan: BatchPlan, seed: int, point: ResumePoint,
+                   processes: Processes) -> MicroBatchStream:
+    """The micro-batches from where the run stopped (a new run: from the start). Under another
+    plan than the checkpoint's (another process count, --max-tokens or --batch-tokens) the run
+    goes on from the same place in the data with the new plan's global batch, and says so."""
+    saved = BatchPlan(**point.batch_plan) if point.batch_plan else None
+    stream = MicroBatchStream(data, saved.max_tokens if saved else plan.max_tokens, seed,
+                              point.epoch, point.offset, point.earlier_budgets)
+    if stream.offset > stream.epoch_length:  # only with another data file than the run's
+        processes.log(f"resume: the data position (epoch {stream.epoch}, batch "
+                      f"{stream.offset}) lies past the end of that epoch in {data.path} "
+                      f"({stream.epoch_length} batches): going on with epoch {stream.epoch + 1}")
+        stream.next_epoch()
+    if saved is not None and saved != plan:
+        if saved.max_tokens == plan.max_tokens:
+            how = "micro-batches cut as before"
+        else:
+            how = (f"the rest of epoch {stream.epoch} (from its micro-batch {stream.offset}) cut "
+                   f"into {plan.max_tokens}-token micro-batches from the pairs not yet used")
+        processes.log(f"resume: batch plan {saved.brief()} -> {plan.brief()} "
+                      f"({saved.step_tokens} -> {plan.step_tokens} tokens/side/step); {how}")
+        stream.change_budget(plan.max_tokens)
+    return stream
