@@ -33,7 +33,7 @@ from .search import Hypothesis, beam_search, output_limits, sample, sentence_uni
 
 # Each numeric setting's range: (lowest, highest, whether the lowest itself is allowed); None: no
 # bound. The one check of them, for every caller: the library, `attn serve`'s requests (whose
-# fields have these names, as the messages do) and the commands (whose options Typer bounds
+# fields have these names) and the commands (whose options Typer bounds
 # first, where it can: not a float's finiteness, nor a lowest value excluded).
 RANGES = {"beam": (1, None, True), "nbest": (1, None, True), "alpha": (0.0, None, True),
           "max_len_a": (0.0, None, True), "max_len_b": (0, None, True),
@@ -42,17 +42,26 @@ RANGES = {"beam": (1, None, True), "nbest": (1, None, True), "alpha": (0.0, None
           "workers": (1, None, True), "worker_threads": (1, None, True)}
 
 
+class OutOfRange(AttnError):
+    """A search setting outside its range, named as the command line spells it (`--max-len-a
+    must be a finite number`); `field` and `rule` let the server name its JSON field instead."""
+
+    def __init__(self, field: str, rule: str):
+        super().__init__(f"--{field.replace('_', '-')} {rule}")
+        self.field, self.rule = field, rule
+
+
 def check_range(name: str, value) -> None:
-    """`value` within RANGES[name] (a float also finite), or an AttnError naming the field."""
+    """`value` within RANGES[name] (a float also finite), or OutOfRange."""
     if value is None:  # batch_tokens: chosen for the device later
         return
     if isinstance(value, float) and not math.isfinite(value):
-        raise AttnError(f"{name} must be a finite number")
+        raise OutOfRange(name, "must be a finite number")
     lowest, highest, lowest_allowed = RANGES[name]
     if lowest is not None and (value < lowest or (value == lowest and not lowest_allowed)):
-        raise AttnError(f"{name} must be {'at least' if lowest_allowed else 'above'} {lowest}")
+        raise OutOfRange(name, f"must be {'at least' if lowest_allowed else 'above'} {lowest}")
     if highest is not None and value > highest:
-        raise AttnError(f"{name} must be at most {highest}")
+        raise OutOfRange(name, f"must be at most {highest}")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from attn_cli import load_translator
 from attn_cli.batching import pad_sequences
 from attn_cli.errors import AttnError
 from attn_cli.search import Hypothesis
-from attn_cli.translate import EMPTY_LINE, NOT_FOUND, DecodeOptions
+from attn_cli.translate import EMPTY_LINE, NOT_FOUND, DecodeOptions, OutOfRange
 
 from .conftest import REPO, assert_clean_error, run_attn
 
@@ -92,9 +92,11 @@ def test_decode_sample_option(trained, corpus):
     assert top1.stdout == greedy.stdout
     assert_clean_error(run_attn(*common, "--nbest", "2", stdin=stdin), "--nbest", "--sample")
     assert_clean_error(run_attn("decode", "-m", model, "--topk", "5", stdin=stdin), "--sample")
-    assert_clean_error(run_attn(*common, "--topp", "0", stdin=stdin), "topp must be above 0")
+    assert_clean_error(run_attn(*common, "--topp", "0", stdin=stdin), "--topp must be above 0")
     assert_clean_error(run_attn(*common, "--temperature", "0", stdin=stdin),
-                       "temperature must be above 0")
+                       "--temperature must be above 0")
+    assert_clean_error(run_attn(*common, "--max-len-a", "inf", stdin=stdin),
+                       "--max-len-a must be a finite number")
 
 
 def test_decode_nbest_format(trained):
@@ -208,10 +210,12 @@ def test_decode_options_refuse_sampling_options_without_sample():
 ])
 def test_decode_options_check_each_range_naming_the_field(changes, message):
     """The one place the search settings' ranges are checked: for the library, for `attn
-    serve`'s requests (answered 422 with this message), and behind Typer's bounds."""
-    with pytest.raises(AttnError) as error:
+    serve`'s requests (answered 422 with the field's name) and for the commands (one line
+    with the option's), behind Typer's bounds."""
+    with pytest.raises(OutOfRange) as error:
         DecodeOptions(**changes)
-    assert str(error.value) == message
+    assert f"{error.value.field} {error.value.rule}" == message
+    assert str(error.value) == "--" + message.replace("_", "-")
     assert DecodeOptions(topp=1.0, temperature=1.0, max_len_a=0.0, max_len_b=0, seed=-5)
 
 

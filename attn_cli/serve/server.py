@@ -104,11 +104,14 @@ class Service:
         if self.translator is None:
             raise Problem(503, "the model is still loading (GET /health says when it is ready)",
                           {"Retry-After": "1"})
-        from .request_queue import Job, QueueFull  # torch: never before `tune_process`
+        from ..translate import OutOfRange  # torch: never before `tune_process`
+        from .request_queue import Job, QueueFull
 
         try:
             translator = self.translator.with_options(**settings)
-        except AttnError as error:  # DecodeOptions' ranges and rules, naming the field
+        except OutOfRange as error:  # DecodeOptions' ranges, naming the JSON field
+            raise Problem(422, f"{error.field} {error.rule}") from None
+        except AttnError as error:  # the settings that go together
             raise Problem(422, str(error)) from None
         loop = asyncio.get_running_loop()
         answered = loop.create_future()
