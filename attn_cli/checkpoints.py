@@ -364,9 +364,12 @@ class RunLock:
             self.handle.seek(0)
             holder = self.handle.read().strip() or "another process"
             self.handle.close()
+            # On a shared file system a lock can outlive the node that crashed holding it
+            # (NFSv3's lock manager): deleting the file frees the directory then.
             raise AttnError(f"{run_dir} is in use by another attn train ({holder}): let it "
                             "finish, or stop it (Ctrl-C or SIGTERM saves a checkpoint) and "
-                            "--resume; or choose another -o") from None
+                            "--resume; or choose another -o; if that host is down, delete "
+                            f"{run_dir / self.FILE}") from None
         except OSError as error:  # a file system without locks (some NFS mounts)
             import sys
 

@@ -25,6 +25,7 @@ from .formats import (
     BATCH_TOKENS,
     BUFFER_SIZE,
     COMPOUND_SPLIT,
+    CUDNN_ATTENTION,
     GPU_BATCH_TOKENS,
     GRAD_SYNC,
     PARSING,
@@ -110,6 +111,7 @@ OutputFormat = _choices("OutputFormat", ("text", "json"))
 Tokenizer = _choices("Tokenizer", (*TOKENIZERS, COMPOUND_SPLIT))
 ValidMetric = _choices("ValidMetric", VALID_METRICS)
 GradSync = _choices("GradSync", GRAD_SYNC)
+CudnnAttention = _choices("CudnnAttention", CUDNN_ATTENTION)
 
 
 # Options that decode, parse and score share, declared once.
@@ -340,6 +342,10 @@ def train(
     grad_sync: GradSync = typer.Option(GradSync.auto, "--grad-sync", help="Precision of the "
                                        "gradients' all-reduce: auto (bf16 between nodes on "
                                        "GPUs, fp32 within one), fp32, bf16 (CUDA)."),
+    cudnn_attention: CudnnAttention = typer.Option(
+        CudnnAttention.auto, "--cudnn-attention", help="auto (torch chooses attention's "
+        "kernels) or off: never cuDNN's, whose graph is rebuilt for every new batch shape on "
+        "some torch/cuDNN versions (H100, torch 2.9+). CUDA only: no effect on a CPU."),
     vocab_size: Optional[int] = typer.Option(None, "--vocab-size", min=8,
                                              help="Vocabulary size for --dry-run without data."),
     nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Processes to plan the "

@@ -68,14 +68,32 @@ class Ensemble:
         return _mean_log_probs([logits for logits, _ in steps]), \
             EnsembleCache(tuple(part for _, part in steps))
 
-    def log_probs(self, src_tokens: torch.Tensor, tgt_input: torch.Tensor) -> torch.Tensor:
-        """Teacher forcing: (B, T, V) log-probabilities of each next target token, the one
-        model's, or the models' averaged and renormalised."""
-        each = [torch.log_softmax(model(src_tokens, tgt_input).float(), dim=-1)
-                for model in self.models]
-        if len(each) == 1:
-            return each[0]
-        return torch.log_softmax(torch.stack(each).mean(dim=0), dim=-1)
+    def gold_log_probs(self, src_tokens: torch.Tensor, tgt_input: torch.Tensor,
+                       tgt_output: torch.Tensor) -> torch.Tensor:
+        """Teacher forcing: (B, T) log-probabilities of the gold next tokens `tgt_output`, the
+        one model's, or the models' averaged and renormalised. The output projection and its
+        log-softmax run a block of positions at a time (as training's loss does): a batch's
+        whole (B, T, V) logits would be ~1.2 GB per model at 8,000 tokens and V = 37,000,
+        in float32, and more with a GPU's 64,000."""
+        hidden = [model.decode(tgt_input, *model.encode(src_tokens)).flatten(0, 1)
+                  for model in self.models]
+        gold = tgt_output.reshape(-1, 1)
+        # Blocks of equal size: no few-row remainder, whose matmul may take another kernel
+        # and round otherwise than the whole batch's would.
+        blocks = -(-gold.shape[0] * self.config.tgt_vocab_size // GOLD_BLOCK_ELEMENTS)
+        rows = -(-gold.shape[0] // max(1, blocks))
+        picked = []
+        for start in range(0, gold.shape[0], rows):
+            each = [torch.log_softmax(model.output_logits(states[start:start + rows]).float(),
+                                      dim=-1) for model, states in zip(self.models, hidden)]
+            log_probs = each[0] if len(each) == 1 else torch.log_softmax(
+                torch.stack(each).mean(dim=0), dim=-1)
+            picked.append(log_probs.gather(-1, gold[start:start + rows]).squeeze(-1))
+        return torch.cat(picked).view_as(tgt_output)
+
+
+# Logits scored at once per model: 64 MB of float32.
+GOLD_BLOCK_ELEMENTS = 1 << 24
 
 
 def _mean_log_probs(logits: list[torch.Tensor]) -> torch.Tensor:

@@ -86,6 +86,8 @@ METRICS_FILE = "metrics.jsonl"
 VALID_METRICS = {"loss": "lower", "bleu": "higher", "chrf": "higher", "f1": "higher"}
 # `train --grad-sync`: the precision of the gradients' all-reduce (train/distributed.py)
 GRAD_SYNC = ("auto", "fp32", "bf16")
+# `train --cudnn-attention`: whether attention may run on cuDNN's kernels (auto: torch decides)
+CUDNN_ATTENTION = ("auto", "off")
 
 # ------------------------------------------------------------------ vocabulary: fixed special ids
 

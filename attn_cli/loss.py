@@ -54,7 +54,7 @@ def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, target: Tensor
     return _ProjectedLoss.apply(hidden, weight, target, epsilon, block_rows, with_grad)
 
 
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
+def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast computes matmuls in on `device_type` (None: autocast is off)."""
     try:
         if not torch.is_autocast_enabled(device_type):
@@ -80,7 +80,7 @@ class _ProjectedLoss(torch.autograd.Function):
         # Under fp16 autocast, p - q would be cast to fp16 before the loss scale reaches it (in
         # backward): probabilities under 6e-8 would flush to zero, under 6e-5 lose bits. Its
         # two matmuls run in float32 then (TF32 on Ampere and later); bf16 has float32's range.
-        exact_gradients = _autocast_dtype(device_type) == torch.float16
+        exact_gradients = autocast_dtype(device_type) == torch.float16
         hidden, weight = hidden.detach(), weight.detach()
         wide = torch.promote_types(weight.dtype, torch.float32)  # float32, or float64 if given
         with torch.autocast(device_type, enabled=False):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .loss import label_smoothed_loss, projected_label_smoothed_loss
+from .loss import autocast_dtype, label_smoothed_loss, projected_label_smoothed_loss
 
 
 def sinusoidal_positions(length: int, d_model: int, start: int = 0) -> Tensor:
@@ -92,9 +92,10 @@ class MultiHeadAttention(nn.Module):
                 causal: bool = False, weights: list[Tensor] | None = None) -> Tensor:
         """§3.2.3's three uses: queries from x (B, L, D); keys and values from the encoder
         output `memory` (B, S, D) in encoder-decoder attention, from x itself in self-attention.
-        `mask` is True where a key may be attended (padding is not); `causal`: each position
-        attends to itself and those before it (the decoder's self-attention). `weights`, if
-        given, gets the attention weights (B, H, Lq, Lk) appended (attention maps)."""
+        `mask` is added to Q K^T / sqrt(d_k): 0 where a key may be attended, -inf where not
+        (padding; `Transformer.padding_mask`); `causal`: each position attends to itself and
+        those before it (the decoder's self-attention). `weights`, if given, gets the
+        attention weights (B, H, Lq, Lk) appended (attention maps)."""
         if self.cross:
             queries = self._split_heads(self.q_proj(x), self.d_k)
             keys, values = self.project_memory(memory)
@@ -130,11 +131,11 @@ class MultiHeadAttention(nn.Module):
     def attend(self, queries: Tensor, keys: Tensor, values: Tensor,
                mask: Tensor | None = None, causal: bool = False,
                weights: list[Tensor] | None = None) -> Tensor:
-        """Scaled dot-product attention over heads; `mask` is True where a key may be attended.
-        A single query position (a decoding step) takes `attention_written_out`: for so few
-        queries two batched matmuls are faster than the fused kernels on a CPU. With `weights`
-        (attention maps) the softmax is written out too, and appended to it: the fused kernels
-        do not give it."""
+        """Scaled dot-product attention over heads; `mask` is added to the scaled scores (0 or
+        -inf, see `forward`). A single query position (a decoding step) takes
+        `attention_written_out`: for so few queries two batched matmuls are faster than the
+        fused kernels on a CPU. With `weights` (attention maps) the softmax is written out
+        too, and appended to it: the fused kernels do not give it."""
         if weights is not None:
             found = attention_weights(queries, keys.transpose(-1, -2), mask, causal)
             weights.append(found)
@@ -172,10 +173,10 @@ class MultiHeadAttention(nn.Module):
 def attention_weights(queries: Tensor, keys_t: Tensor, mask: Tensor | None = None,
                       causal: bool = False) -> Tensor:
     """§3.2.1's softmax(Q K^T / sqrt(d_k)) in float32, (..., Lq, Lk): what each query attends
-    to. `mask` is True where a key may be attended; `causal`: query i sees keys 0..i only."""
+    to. `mask` is added to the scores (0 or -inf); `causal`: query i sees keys 0..i only."""
     scores = torch.matmul(queries, keys_t).float() * queries.shape[-1] ** -0.5
     if mask is not None:
-        scores = scores.masked_fill(~mask, -math.inf)
+        scores = scores + mask
     if causal:
         above = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
         scores = scores.masked_fill(above, -math.inf)
@@ -186,11 +187,12 @@ def attention_written_out(queries: Tensor, keys_t: Tensor, values: Tensor,
                           mask: Tensor | None = None) -> Tensor:
     """§3.2.1's softmax(Q K^T / sqrt(d_k)) V as two batched matmuls, the softmax in float32
     whatever the weights' precision; `keys_t` is K^T (..., d_k, Lk). `mask` (broadcast to
-    (B, H, Lq, Lk)) is True where a key may be attended; every query must have one."""
+    (B, H, Lq, Lk)) is added to the scores: 0 where a key may be attended, -inf where not;
+    every query must have one it may attend."""
     weights = torch.matmul(queries, keys_t).float()
     weights.mul_(queries.shape[-1] ** -0.5)
     if mask is not None:
-        weights.masked_fill_(~mask, -math.inf)
+        weights.add_(mask)
     return torch.matmul(weights.softmax(dim=-1).to(values.dtype), values)
 
 
@@ -323,7 +325,7 @@ def grow_cache(past: Tensor, new: Tensor, rows: Tensor | None = None,
 class DecoderCache:
     """State of incremental decoding, passed in and returned (no state hides in the modules).
 
-    Per source sentence (B rows): src_mask (B, 1, 1, S), True at real source tokens, and
+    Per source sentence (B rows): src_mask (B, 1, 1, S), `Transformer.padding_mask`, and
     memory_kv, per decoder layer the encoder-decoder keys, transposed (B, H, d, S), and values
     (B, H, S, d), computed once.
     Per hypothesis (N = B·G rows, G consecutive rows per source: a sentence's beams): self_kv,
@@ -442,12 +444,31 @@ class Transformer(nn.Module):
         return self.embed_dropout(x)
 
     def padding_mask(self, src_tokens: Tensor) -> Tensor:
-        return (src_tokens != self.config.pad_id)[:, None, None, :]  # (B, 1, 1, S)
+        """(B, 1, 1, S): 0 at real source tokens, -inf at padding, added to every attention's
+        scores over the source: padding is masked out as §3.2.3 masks illegal connections,
+        "setting to -inf" the input of the softmax. Made once per batch, in the dtype the
+        attention computes in, for every layer (12 calls in `base`; a boolean mask would be
+        turned into this one inside each call). Its rows are 8-aligned slices of a wider
+        buffer: CUDA's memory-efficient attention would otherwise copy an unaligned mask into
+        an aligned one at each call."""
+        batch, length = src_tokens.shape
+        aligned = -(-length // 8) * 8
+        mask = torch.zeros(batch, 1, 1, aligned, dtype=self.attention_dtype(src_tokens.device),
+                           device=src_tokens.device)[..., :length]
+        return mask.masked_fill_((src_tokens == self.config.pad_id)[:, None, None, :],
+                                 -math.inf)
+
+    def attention_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype of the attention's queries: autocast's where it is on (the projections
+        before it run in it), else the weights'."""
+        if device.type not in ("cpu", "cuda"):  # the meta device (checks of shapes) has none
+            return self.tgt_embed.weight.dtype
+        return autocast_dtype(device.type) or self.tgt_embed.weight.dtype
 
     def encode(self, src_tokens: Tensor, weights: AttentionWeights | None = None
                ) -> tuple[Tensor, Tensor]:
-        """src_tokens (B, S) → memory (B, S, D) and the source mask (B, 1, 1, S); `weights`,
-        if given, gets each layer's attention weights."""
+        """src_tokens (B, S) → memory (B, S, D) and the source mask (B, 1, 1, S,
+        `padding_mask`); `weights`, if given, gets each layer's attention weights."""
         src_mask = self.padding_mask(src_tokens)
         x = self.embed(self.src_embed, src_tokens)
         for layer in self.encoder_layers:
@@ -461,6 +482,17 @@ class Transformer(nn.Module):
         if self.output_projection is not None:  # the same matrix, given in another form
             return self.output_projection(hidden)
         return F.linear(hidden, self.tgt_embed.weight, self.output_bias)
+
+    def step_logits(self, hidden: Tensor) -> Tensor:
+        """`output_logits` for a search step. On a GPU in float32, whatever the precision of
+        the weights or of autocast: logits rounded to bf16 (steps of 1/16 at |z| ≈ 16) would
+        let the rounding rank hypotheses whose scores nearly tie, and one projection per step
+        costs little there. On a CPU in the model's precision (a bf16 model's in bf16)."""
+        if hidden.device.type != "cuda" or self.output_projection is not None:
+            return self.output_logits(hidden)
+        bias = None if self.output_bias is None else self.output_bias.float()
+        with torch.autocast("cuda", enabled=False):
+            return F.linear(hidden.float(), self.tgt_embed.weight.float(), bias)
 
     def decode(self, tgt_input: Tensor, memory: Tensor, src_mask: Tensor,
                weights: AttentionWeights | None = None) -> Tensor:
@@ -519,7 +551,7 @@ class Transformer(nn.Module):
             buffers.append(buffer)
         if self.config.norm == "pre":
             x = self.decoder_norm(x)
-        return self.output_logits(x[:, 0]), DecoderCache(
+        return self.step_logits(x[:, 0]), DecoderCache(
             cache.src_mask, cache.memory_kv, tuple(grown), cache.step + 1,
             buffers=tuple(buffers), spare=cache.buffers)
 

@@ -232,8 +232,8 @@ def force_decode(models: list, sources: list[str], targets: list[str], device, d
                                      config.eos_id, config.pad_id).to(device)
             tgt_out = collated.tgt_output
             with autocast(device, dtype):
-                log_probs = ensemble.log_probs(collated.src_tokens, collated.tgt_input)
-            picked = log_probs.gather(-1, tgt_out.unsqueeze(-1)).squeeze(-1)
+                picked = ensemble.gold_log_probs(collated.src_tokens, collated.tgt_input,
+                                                 tgt_out)
             keep = tgt_out != config.pad_id
             sums = (picked * keep).sum(dim=1).tolist()
             counts = keep.sum(dim=1).tolist()

@@ -44,10 +44,11 @@ def topk_blocked(values: Tensor, k: int, width: int = 64) -> tuple[Tensor, Tenso
     """values.topk(k, dim=-1) (sorted), faster over a long last dimension (a vocabulary) on a
     CPU: the k largest values lie in the k blocks of `width` whose maxima are largest (a block
     left out has k blocks above it, each holding a larger value), so one cheap block-max pass
-    leaves a full top-k over k·width values instead of all of them."""
+    leaves a full top-k over k·width values instead of all of them. On a GPU, torch's top-k:
+    one kernel there, where the blocks take ten."""
     size = values.shape[-1]
     blocks = size // width
-    if blocks <= 2 * k:
+    if blocks <= 2 * k or values.device.type != "cpu":
         return values.topk(k, dim=-1)
     body = values[..., :blocks * width].unflatten(-1, (blocks, width))
     chosen = body.amax(dim=-1).topk(k, dim=-1).indices  # (..., k)
@@ -186,13 +187,17 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
 
     Each step, the 2K best extensions of a sentence's K beams are ranked: an EOS among the first
     K finishes a hypothesis, and the first K that are not EOS live on (one EOS at most per beam,
-    so there are always K of them). Everything but the few finished hypotheses stays in tensors;
-    rows are grouped K per sentence, which the model uses to share each source's memory."""
+    so there are always K of them). Everything stays on the device until the search ends, the
+    finished hypotheses too: a step reads one thing, two counts (on a GPU, its one wait). Rows
+    are grouped K per sentence, which the model uses to share each source's memory."""
     config, stop = model.config, Stop(stop)
     batch, device, nbest = src_tokens.shape[0], src_tokens.device, min(nbest, beam)
     banned = banned_ids(config, banned, device)
     limits = output_limits(src_tokens, config.pad_id, max_len_a, max_len_b, longest)  # (B,)
-    finished = Finished(batch, nbest, device)
+    # The lengths at which some sentence reaches its limit: only at those steps can a row be
+    # at its limit, so only then is there anything to do about it.
+    limit_lengths = set(limits.tolist())
+    finished = Finished(batch, nbest, length_penalties(max(limit_lengths), alpha, device))
     memory, src_mask = model.encode(src_tokens)
     # One hypothesis per sentence to begin with (BOS): the first step ranks its 2K extensions,
     # and K rows per sentence only from the second step on (K copies of BOS would cost a
@@ -201,10 +206,6 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
     live = Beams.start(batch, config.bos_id, device)
     constraint = (constraint or Unconstrained(config.eos_id)).to(device)
     state = constraint.start(batch, 1, device)
-
-    # The lengths at which some sentence reaches its limit: only at those steps can a row be
-    # at its limit, so only then is there anything to look for (on a GPU, a look is a wait).
-    limit_lengths = set(limits.tolist())
 
     for step in range(max(limit_lengths)):
         logits, cache = model.decode_step(live.tokens.view(-1), cache)
@@ -220,17 +221,19 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
         tokens = constraint.token_ids(columns, origin, picked)
         state = constraint.advance(state, origin, tokens)
         ends = tokens == config.eos_id  # (B', 2K)
-        finished.collect(best, origin, ends, live, beam, length_penalty(step + 1, alpha))
+        finishing = finished.collect(best, ends, live, beam)  # (B', K)
         chosen = first_not_ending(ends, beam)  # (B', K)
         scores = best.gather(1, chosen)
         bound = constraint.bound(state, chosen, live.active, step + 1, limit)
         done = sentences_done(scores, finished.kth_best[live.active], bound, alpha, beam,
                               stop, finished.best_ended[live.active])
-        kept = (~done).nonzero().squeeze(1)  # the step's one read of which sentences go on
-        if len(kept) == 0:
+        # The step's one read (on a GPU, a wait): how many hypotheses finish, how many
+        # sentences go on. Which ones, the device finds without the host.
+        finishing_count, kept_count = read_counts(finishing, ~done)
+        finished.keep(finishing, finishing_count, best, origin, live)
+        if kept_count == 0:
             break
-        if len(kept) == len(done):
-            kept = None
+        kept = None if kept_count == len(done) else true_positions(~done, kept_count)
         state = constraint.select(state, chosen, kept)
         live, cache = live.advance(scores, origin.gather(1, chosen), tokens.gather(1, chosen),
                                    kept, cache)
@@ -244,15 +247,50 @@ def banned_ids(config, banned: tuple[int, ...] | None, device) -> Tensor:
                         dtype=torch.long, device=device)
 
 
-def read_finished(sentences: Tensor, log_probs: Tensor,
-                  histories: Tensor) -> list[tuple[int, float, list[int]]]:
-    """(sentence, log-probability, tokens) of each finished hypothesis: sentences (F,),
-    log_probs (F,), histories (F, t), read to the host at once (float64 holds the token ids
-    and a float32 or float64 score exactly): on a GPU each read is a wait."""
-    rows = torch.cat([sentences[:, None].double(), log_probs[:, None].double(),
-                      histories.double()], dim=1).tolist()
-    return [(int(sentence), score, [int(token) for token in tokens])
-            for sentence, score, *tokens in rows]
+def length_penalties(longest: int, alpha: float, device) -> Tensor:
+    """(longest + 1,) float64: `length_penalty` of each length 0..longest, computed on the
+    host as the search always has (a device's pow may differ in the last bit), and put on the
+    device once, not at every step."""
+    return torch.tensor([length_penalty(length, alpha) for length in range(longest + 1)],
+                        dtype=torch.float64, device=device)
+
+
+def read_counts(*masks: Tensor) -> list[int]:
+    """How many True values each mask holds, read to the host at once: on a GPU each read is a
+    wait for the device."""
+    return torch.stack([mask.sum() for mask in masks]).tolist()
+
+
+def true_positions(mask: Tensor, count: int) -> Tensor:
+    """`mask.nonzero()` of a 1-d mask holding `count` True values (a count already read), in
+    order, without another wait to learn the count: a stable sort puts them first."""
+    return torch.sort((~mask).to(torch.uint8), stable=True).indices[:count]
+
+
+def finished_rows(sentences: Tensor, log_probs: Tensor, scores: Tensor,
+                  histories: Tensor) -> Tensor:
+    """(F, 3 + t) float64, one row per finished hypothesis: its sentence, log-probability,
+    score and tokens (histories (F, t)), kept on the device for `read_hypotheses` (float64
+    holds the token ids and a float32 or float64 score exactly)."""
+    return torch.cat([sentences[:, None].double(), log_probs[:, None].double(),
+                      scores[:, None].double(), histories.double()], dim=1)
+
+
+def read_hypotheses(parts: list[Tensor]) -> list[tuple[int, Hypothesis]]:
+    """(sentence, hypothesis) of every row of `parts` (`finished_rows`), in order, read to the
+    host at once after the search: on a GPU each read in it would be a wait."""
+    if not parts:
+        return []
+    values = torch.cat([part.flatten() for part in parts]).tolist()
+    hypotheses, start = [], 0
+    for part in parts:
+        height, width = part.shape
+        for row in range(start, start + height * width, width):
+            sentence, log_prob, score, *tokens = values[row:row + width]
+            hypotheses.append((int(sentence), Hypothesis([int(token) for token in tokens],
+                                                         score, log_prob)))
+        start += height * width
+    return hypotheses
 
 
 def output_limits(src_tokens: Tensor, pad_id: int, a: float, b: int,
@@ -265,13 +303,12 @@ def output_limits(src_tokens: Tensor, pad_id: int, a: float, b: int,
 
 
 def only_eos_at_limit(log_probs: Tensor, at_limit: Tensor, eos: int) -> None:
-    """In place: a hypothesis at its last allowed position (rows `at_limit` (B',)) can only
-    end, with the log-probability the model gives EOS."""
-    if at_limit.any():
-        rows = at_limit.nonzero().squeeze(1)
-        eos_log_probs = log_probs[rows, :, eos]
-        log_probs[rows] = -math.inf
-        log_probs[rows, :, eos] = eos_log_probs
+    """In place: a hypothesis at its last allowed position (rows `at_limit` (B',) of
+    log_probs (B', K, V)) can only end, with the log-probability the model gives EOS. By
+    masks, not by reading which rows: on a GPU a read is a wait."""
+    eos_log_probs = log_probs[:, :, eos].clone()
+    log_probs.masked_fill_(at_limit[:, None, None], -math.inf)
+    log_probs[:, :, eos] = eos_log_probs
 
 
 def first_not_ending(ends: Tensor, beam: int) -> Tensor:
@@ -329,45 +366,61 @@ class Beams:
 
 
 class Finished:
-    """The finished hypotheses of every sentence, and the score each must beat (its n-th best,
-    -inf until there are n)."""
+    """The finished hypotheses of every sentence, kept on the device until the search ends
+    (`best` reads them at once), and each sentence's `nbest` best scores so far (B, n), best
+    first, also on the device: the n-th is the score a live hypothesis must beat (-inf until
+    there are n)."""
 
-    def __init__(self, batch: int, nbest: int, device):
+    def __init__(self, batch: int, nbest: int, penalties: Tensor):
         self.nbest = nbest
-        self.hypotheses: list[list[Hypothesis]] = [[] for _ in range(batch)]
-        self.kth_best = torch.full((batch,), -math.inf, device=device)
+        self.penalties = penalties  # (L + 1,) float64, `length_penalties`
+        self.top = torch.full((batch, nbest), -math.inf, dtype=torch.float64,
+                              device=penalties.device)
         # Whether a step's best candidate has ended (`Stop.best_ends`).
-        self.best_ended = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.best_ended = torch.zeros(batch, dtype=torch.bool, device=penalties.device)
+        self.rows: list[Tensor] = []  # `finished_rows` of each step where some finished
 
-    def collect(self, best: Tensor, origin: Tensor, ends: Tensor, live: Beams, beam: int,
-                penalty: float) -> None:
-        """The hypotheses ending in EOS among the first K candidates (B', 2K) of each sentence
-        (`penalty`: the length penalty of this step's length, EOS included)."""
-        finishing = (ends[:, :beam] & (best[:, :beam] > -math.inf)).nonzero()  # (F, 2)
-        if len(finishing) == 0:
+    @property
+    def kth_best(self) -> Tensor:
+        """(B,) the n-th best score, in the live scores' float32."""
+        return self.top[:, -1].float()
+
+    def collect(self, best: Tensor, ends: Tensor, live: Beams, beam: int) -> Tensor:
+        """Of the first K candidates (B', 2K) extending `live`, the ones ending in EOS that may
+        be among their sentence's n best: (B', K), True where one scores above the sentence's
+        n-th best so far (one that does not has n as good, found before it and so ranked
+        ahead of it). Their scores join the n best now; `keep` keeps their tokens, once their
+        count is read."""
+        ending = ends[:, :beam] & (best[:, :beam] > -math.inf)
+        scores = (best[:, :beam].double() / self.penalty(live)).masked_fill(~ending, -math.inf)
+        top = self.top[live.active]
+        self.top[live.active] = torch.cat([top, scores], dim=1).topk(self.nbest, dim=1).values
+        self.best_ended[live.active] |= ending[:, 0]
+        return scores > top[:, -1:]
+
+    def keep(self, finishing: Tensor, count: int, best: Tensor, origin: Tensor,
+             live: Beams) -> None:
+        """Keeps, on the device, the `count` hypotheses `finishing` (B', K) (`collect`)."""
+        if count == 0:
             return
-        rows, ranks = finishing.unbind(1)
-        sentences = live.active[rows]
-        # the sentences whose best candidate ended (several hypotheses may name a sentence)
-        best_ends = torch.zeros_like(self.best_ended, dtype=torch.int32).index_add_(
-            0, sentences, (ranks == 0).to(torch.int32))
-        self.best_ended |= best_ends > 0
-        changed = set()
-        for sentence, log_prob, tokens in read_finished(
-                sentences, best[rows, ranks], live.history[rows, origin[rows, ranks]]):
-            self.hypotheses[sentence].append(Hypothesis(tokens, log_prob / penalty, log_prob))
-            changed.add(sentence)
-        updated = [sentence for sentence in sorted(changed)
-                   if len(self.hypotheses[sentence]) >= self.nbest]
-        if updated:
-            self.kth_best[updated] = torch.tensor(
-                [sorted((h.score for h in self.hypotheses[sentence]), reverse=True)[
-                    self.nbest - 1] for sentence in updated], device=self.kth_best.device)
+        positions, beam = true_positions(finishing.flatten(), count), finishing.shape[1]
+        rows, ranks = positions // beam, positions % beam
+        log_probs = best[rows, ranks].double()
+        self.rows.append(finished_rows(live.active[rows], log_probs,
+                                       log_probs / self.penalty(live),
+                                       live.history[rows, origin[rows, ranks]]))
+
+    def penalty(self, live: Beams) -> Tensor:
+        """The length penalty of the hypotheses that end now: their tokens and EOS."""
+        return self.penalties[live.history.shape[2] + 1]
 
     def best(self) -> list[list[Hypothesis]]:
         """Each sentence's `nbest` best, best first (one empty hypothesis if none finished)."""
+        found: list[list[Hypothesis]] = [[] for _ in range(len(self.top))]
+        for sentence, hypothesis in read_hypotheses(self.rows):
+            found[sentence].append(hypothesis)
         return [sorted(hypotheses, key=lambda h: -h.score)[:self.nbest]
-                or [Hypothesis([], -math.inf, -math.inf)] for hypotheses in self.hypotheses]
+                or [Hypothesis([], -math.inf, -math.inf)] for hypotheses in found]
 
 
 # ----------------------------------------------------------------------------------- sampling
@@ -418,6 +471,7 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
     batch, device = src_tokens.shape[0], src_tokens.device
     banned = banned_ids(config, banned, device)
     limits = output_limits(src_tokens, config.pad_id, max_len_a, max_len_b, longest)
+    limit_lengths = set(limits.tolist())  # as in beam_search
     uniforms = uniforms.to(device)  # once: indexed by the live rows on the device each step
     memory, src_mask = model.encode(src_tokens)
     cache = model.start_decoding(memory, src_mask)
@@ -425,25 +479,29 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
     tokens = torch.full((batch,), config.bos_id, dtype=torch.long, device=device)
     history = torch.empty((batch, 0), dtype=torch.long, device=device)
     scores = torch.zeros(batch, dtype=torch.float64, device=device)
-    found: list[list[Hypothesis]] = [[] for _ in range(batch)]
-    for step in range(int(limits.max())):
+    finished: list[Tensor] = []  # `finished_rows`, read after the search
+    for step in range(max(limit_lengths)):
         logits, cache = model.decode_step(tokens, cache)
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         log_probs.index_fill_(-1, banned, -math.inf)
-        only_eos_at_limit(log_probs.unsqueeze(1), limits[active] <= step + 1, config.eos_id)
+        if step + 1 in limit_lengths:
+            only_eos_at_limit(log_probs.unsqueeze(1), limits[active] <= step + 1, config.eos_id)
         tokens = draw(log_probs, uniforms[active, step], temperature, topk, topp)
         scores += log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).double()
         ends = tokens == config.eos_id
-        ending = ends.nonzero().squeeze(1)  # the step's one read, as in beam_search
-        if len(ending):
-            for sentence, score, tokens_so_far in read_finished(active[ending], scores[ending],
-                                                                history[ending]):
-                found[sentence] = [Hypothesis(tokens_so_far, score, score)]
-            kept = (~ends).nonzero().squeeze(1)
-            if len(kept) == 0:
+        ending_count = int(ends.sum())  # the step's one read, as in beam_search
+        if ending_count:
+            ending = true_positions(ends, ending_count)
+            finished.append(finished_rows(active[ending], scores[ending], scores[ending],
+                                          history[ending]))
+            if ending_count == len(ends):
                 break
+            kept = true_positions(~ends, len(ends) - ending_count)
             active, tokens, history, scores = active[kept], tokens[kept], history[kept], \
                 scores[kept]
             cache = cache.reorder(kept, kept)
         history = torch.cat([history, tokens.unsqueeze(1)], dim=1)
+    found: list[list[Hypothesis]] = [[] for _ in range(batch)]
+    for sentence, hypothesis in read_hypotheses(finished):
+        found[sentence] = [hypothesis]
     return found

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .batching import pad_sequences, source_budget, token_budget_batches
-from .devices import inference_dtype, inference_model, search_batch_tokens
+from .devices import inference_dtype, inference_model, pick_device, search_batch_tokens
 from .ensemble import Ensemble, load_models
 from .errors import AttnError, batch_must_fit
 from .files import STRICT, Utf8Policy
@@ -379,11 +379,10 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
     int8_refused = AttnError("--int8 is torch's dynamic int8 quantization of the linear "
                              "layers, for float32 on a CPU (--device cpu, --dtype auto or "
                              "fp32); on a GPU use --dtype bf16")
-    if int8 and dtype not in ("auto", "fp32"):
+    # Refused before anything loads (a GPU's `--device auto` would load every model first).
+    if int8 and (dtype not in ("auto", "fp32") or pick_device(device).type != "cpu"):
         raise int8_refused
     (loaded, *ensemble), chosen, threads = load_models(paths, device, threads)
-    if int8 and chosen.type != "cpu":
-        raise int8_refused
     workers, worker_threads = search_workers(threads, workers, chosen)
     settings = dataclasses.replace(settings, workers=workers, worker_threads=worker_threads,
                                    batch_tokens=settings.batch_tokens or

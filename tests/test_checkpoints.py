@@ -4,6 +4,8 @@ with random weights."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from attn_cli.checkpoints import (
     truncate_metrics,
 )
 from attn_cli.config import PRESETS
+from attn_cli.errors import AttnError
 from attn_cli.formats import METRICS_FILE
 from attn_cli.model import Transformer
 from attn_cli.modelfile import load_model
@@ -138,3 +141,20 @@ def test_adam_state_is_saved_from_the_host_and_restored_where_fused_adam_keeps_i
         assert step.device == (parameter.device if fused else torch.device("cpu"))
         for moment in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(again.state[parameter][moment], optimizer.state[parameter][moment])
+
+
+def test_a_held_run_directory_is_refused_naming_the_holder_and_how_to_free_it(tmp_path):
+    """A second lock on a run directory fails with one line: who holds it, and the lock file to
+    delete where its host is gone (a shared file system's lock can outlive a crashed node)."""
+    run_dir = tmp_path / "run"
+    held = checkpoints.RunLock(run_dir)
+    try:
+        with pytest.raises(AttnError) as refused:
+            checkpoints.RunLock(run_dir)
+    finally:
+        held.release()
+    message = str(refused.value)
+    assert message.startswith(f"{run_dir} is in use by another attn train (pid {os.getpid()} "
+                              f"on {socket.gethostname()})")
+    assert message.endswith(f"; if that host is down, delete {run_dir / 'train.lock'}")
+    checkpoints.RunLock(run_dir).release()  # free again

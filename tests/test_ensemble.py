@@ -37,6 +37,27 @@ def test_an_ensemble_averages_the_models_log_probabilities():
     assert all(len(h) == 3 for h in both)
 
 
+@pytest.mark.parametrize("members", [1, 2])
+def test_gold_log_probs_a_block_at_a_time_are_the_whole_logits_formula(members, monkeypatch):
+    """`score -m` gathers the gold tokens' log-probabilities a few positions at a time (here 4
+    rows of logits per block, so a batch spans several blocks, one ending mid-sentence): the
+    same numbers as log_softmax over the whole (B, T, V) logits, averaged and renormalised for
+    an ensemble (review F13r)."""
+    import attn_cli.ensemble
+
+    models = [random_model(vocab=30, seed=seed) for seed in (3, 4)][:members]
+    src = torch.tensor([[5, 9, 3, 0], [7, 8, 9, 3]])
+    tgt_input = torch.tensor([[2, 6, 7, 8, 0], [2, 9, 9, 5, 4]])
+    tgt_output = torch.tensor([[6, 7, 8, 3, 0], [9, 9, 5, 4, 3]])
+    each = [torch.log_softmax(model(src, tgt_input), dim=-1) for model in models]
+    whole = each[0] if members == 1 else torch.log_softmax(torch.stack(each).mean(0), dim=-1)
+    expected = whole.gather(-1, tgt_output.unsqueeze(-1)).squeeze(-1)
+    monkeypatch.setattr(attn_cli.ensemble, "GOLD_BLOCK_ELEMENTS", 4 * 30)
+    with torch.no_grad():
+        got = Ensemble(models).gold_log_probs(src, tgt_input, tgt_output)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
+
+
 def test_decode_and_score_take_an_ensemble(trained, corpus, tmp_path):
     model, _ = trained
     lines = corpus["val.en"].read_text(encoding="utf-8").splitlines()[:10]

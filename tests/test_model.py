@@ -31,8 +31,9 @@ def test_attention_is_softmax_of_scaled_dot_products():
     config = tiny_config(heads=2, d_k=8, d_v=6, d_model=16)
     attention = MultiHeadAttention(config, cross=False).eval()
     x = torch.randn(3, 5, 16)
-    mask = torch.ones(3, 1, 1, 5, dtype=torch.bool)
-    mask[1, ..., 3:] = False
+    keep = torch.ones(3, 1, 1, 5, dtype=torch.bool)
+    keep[1, ..., 3:] = False
+    mask = torch.zeros(3, 1, 1, 5).masked_fill(~keep, -math.inf)  # added to the scores
     got = attention(x, mask=mask)
 
     w_q, w_k, w_v = attention.qkv_proj.weight.split([16, 16, 12])
@@ -42,7 +43,7 @@ def test_attention_is_softmax_of_scaled_dot_products():
         k = x @ w_k[head * 8:(head + 1) * 8].T
         v = x @ w_v[head * 6:(head + 1) * 6].T
         scores = q @ k.transpose(1, 2) / math.sqrt(8)
-        scores = scores.masked_fill(~mask[:, 0], float("-inf"))
+        scores = scores.masked_fill(~keep[:, 0], float("-inf"))
         heads.append(torch.softmax(scores, dim=-1) @ v)
     expected = attention.out_proj(torch.cat(heads, dim=-1))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -53,6 +54,67 @@ def test_attention_is_softmax_of_scaled_dot_products():
     memory = torch.randn(3, 5, 16)
     torch.testing.assert_close(cross.attend_memory(x, cross.memory_for_steps(memory), mask),
                                cross(x, memory, mask=mask), atol=1e-6, rtol=1e-5)
+
+
+def test_the_padding_mask_is_made_once_per_batch_in_the_attentions_dtype():
+    """0 at real tokens, -inf at padding, in the dtype the attention computes in (the weights',
+    or autocast's), its rows 8-aligned for CUDA's memory-efficient kernel; a forward pass makes
+    it once: no attention call converts a mask (torch turns a boolean one into this one inside
+    every call)."""
+    model = Transformer(tiny_config()).eval()
+    src, tgt = random_tokens(2, 5), random_tokens(2, 4)
+    src[1, 3:] = 0
+    mask = model.padding_mask(src)
+    assert mask.shape == (2, 1, 1, 5) and mask.dtype == torch.float32
+    assert mask[:, 0, 0].tolist() == [[0.0] * 5, [0.0] * 3 + [-math.inf] * 2]
+    assert all(stride % 8 == 0 for stride in mask.stride()[:-1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.padding_mask(src).dtype == torch.bfloat16
+    assert Transformer(tiny_config()).to(torch.bfloat16).padding_mask(src).dtype == \
+        torch.bfloat16
+
+    ops = []
+
+    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Ops():
+        model(src, tgt)
+    assert ops.count("masked_fill_") == 1 and "where" not in ops and "logical_not" not in ops
+
+
+def test_bf16_autocast_trains_close_to_float32():
+    """Under bf16 autocast (the mask then bf16) the loss and its gradient stay near float32's."""
+    model = Transformer(tiny_config(attention_dropout=0.0)).train()
+    src, tgt, targets = random_tokens(3, 6), random_tokens(3, 5), random_tokens(15, 1)[:, 0]
+    src[0, 4:] = 0
+    positions = torch.arange(15)
+    losses = []
+    for dtype in (None, torch.bfloat16):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss, _ = model(src, tgt, output_positions=positions, targets=targets)
+        loss.backward()
+        losses.append((loss.item(), model.tgt_embed.weight.grad.clone()))
+    assert losses[1][0] == pytest.approx(losses[0][0], rel=1e-2)
+    assert torch.cosine_similarity(losses[1][1].flatten(), losses[0][1].flatten(), dim=0) > 0.99
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_bf16_search_step_projects_in_float32_on_a_gpu(device):
+    """bf16 logits are rounded to steps of 1/16 near |z| = 16: ties that decide beams. On a
+    GPU a search step's output projection runs in float32; on a CPU in the model's dtype."""
+    model = Transformer(tiny_config()).eval().to(device, torch.bfloat16)
+    hidden = torch.randn(4, 64, device=device, dtype=torch.bfloat16)
+    logits = model.step_logits(hidden)
+    if device == "cpu":
+        assert torch.equal(logits, model.output_logits(hidden))
+    else:
+        assert logits.dtype == torch.float32
+        assert torch.equal(logits, torch.nn.functional.linear(hidden.float(),
+                                                             model.tgt_embed.weight.float()))
 
 
 def test_positional_encoding_matches_formula():

@@ -22,11 +22,26 @@ from attn_cli.cli import app
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
+def recipe_environment(**extra: str) -> dict:
+    """This process's environment less what the recipes read: make takes an exported MIRROR,
+    NPROC or WORK (or an outer make's MAKEFLAGS) as the recipe's own setting, and the tests
+    would test the caller's machine instead of the recipe."""
+    read = set()
+    for path in EXAMPLES.rglob("*"):
+        if path.name == "Makefile" or path.suffix == ".mk":
+            text = path.read_text(encoding="utf-8")
+            read |= set(re.findall(r"^(\w+)\s*[?:]?=", text, re.M))
+            read |= set(re.findall(r"\$[({](\w+)[)}]", text))
+    read |= {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEFILES", "GNUMAKEFLAGS"}
+    return {**{key: value for key, value in os.environ.items() if key not in read}, **extra}
+
+
 def dry_run(recipe: str, *targets: str, **variables: str) -> list[str]:
     settings = [f"{key}={value}" for key, value in {"DRYRUN": "1", "WORK": "/nonexistent-work",
                                                     **variables}.items()]
     result = subprocess.run(["make", "-C", str(EXAMPLES / recipe), *settings, *targets],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60,
+                            env=recipe_environment())
     assert result.returncode == 0, result.stderr
     return result.stdout.replace("\\\n", " ").splitlines()
 
@@ -97,6 +112,11 @@ def test_wmt_recipes_follow_the_paper():
                   "--metrics bleu --tokenize compound-split >>"):  # 13a, intl, the paper's
         assert text.count(score) == 2, score  # base and big
     assert "torchrun" in text and "--nproc-per-node 8" in text
+    # a step's 25000 tokens in one pass per GPU unless MAX_TOKENS caps it (review R1: on one
+    # GPU a 4096 cap made 7 passes of the same kernels for a seventh of the work each)
+    assert "--max-tokens" not in text
+    assert "--max-tokens" not in " ".join(dry_run("wmt14-en-de", "base", NPROC="1"))
+    assert "--max-tokens 4096" in " ".join(dry_run("wmt14-en-de", "base", MAX_TOKENS="4096"))
     french = " ".join(dry_run("wmt14-en-fr", "big"))
     assert "--size 32000" in french and "--preset big-enfr" in french
     assert "--tokenize compound-split" in french
@@ -174,7 +194,8 @@ def test_parse_recipe_splits_the_sample(sample_treebank):
 
 def test_parse_recipe_without_a_treebank_is_a_clear_error(tmp_path):
     result = subprocess.run(["make", "-C", str(EXAMPLES / "wsj-parse"), "DRYRUN=1",
-                             f"SAMPLE={tmp_path}"], capture_output=True, text=True, timeout=60)
+                             f"SAMPLE={tmp_path}"], capture_output=True, text=True, timeout=60,
+                            env=recipe_environment())
     assert result.returncode != 0 and "no treebank files found" in result.stderr
 
 
@@ -254,7 +275,7 @@ def test_wmt_recipe_runs_end_to_end_from_a_mirror(tmp_path):
         return subprocess.run(["make", "-C", str(EXAMPLES / "wmt14-en-de"), *targets,
                                *(f"{key}={value}" for key, value in settings.items())],
                               capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+                              env=recipe_environment(OMP_NUM_THREADS="1"))
 
     result = make("base")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -182,7 +182,7 @@ def test_force_decoding_out_of_memory_names_the_batch_and_the_option(monkeypatch
     def out_of_memory(self, *args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\n...")
 
-    monkeypatch.setattr(Transformer, "forward", out_of_memory)
+    monkeypatch.setattr(Transformer, "decode", out_of_memory)
     with pytest.raises(AttnError, match=r"out of GPU memory with batches of 700 tokens \(CUDA "
                        r"out of memory. Tried to allocate 2.00 GiB.\): lower --batch-tokens "
                        r"\(700\)"):

@@ -32,7 +32,7 @@ from attn_cli.search import (
     topk_over_beams,
 )
 
-from .toys import HostReads, random_model
+from .toys import HostSyncs, random_model
 
 # ---------------------------------------------------------------------------------- pure pieces
 
@@ -126,21 +126,36 @@ def test_sentences_done_for_greedy_beam_and_exhaustion():
 
 
 def test_finished_collects_eos_among_the_first_k_and_tracks_the_nth_best():
-    live = Beams(scores=torch.zeros(1, 2), tokens=torch.tensor([[7, 8]]),
-                 history=torch.tensor([[[5, 7], [6, 8]]]), active=torch.tensor([0]))
-    finished = Finished(batch=1, nbest=2, device="cpu")
-    best = torch.tensor([[-1.0, -2.0, -3.0, -4.0]])
-    origin = torch.tensor([[1, 0, 0, 1]])
-    ends = torch.tensor([[True, False, True, True]])  # EOS at ranks 0, 2, 3: only rank 0 is
-    finished.collect(best, origin, ends, live, beam=2, penalty=2.0)  # among the first K = 2
-    assert finished.hypotheses[0] == [Hypothesis([6, 8], -0.5, -1.0)]
+    """Hypotheses ending among a sentence's first K candidates are kept on the device, their
+    scores joining its n best there (no read); one that cannot be among the n best (no better
+    than the n-th, found later) is not kept; `best` reads what was kept."""
+    penalties = torch.tensor([1.0, 1.0, 1.0, 2.0, 1.5], dtype=torch.float64)
+    finished = Finished(batch=1, nbest=2, penalties=penalties)
+
+    def step(history, best, origin, ends):
+        live = Beams(scores=torch.zeros(1, 2), tokens=history[:, :, -1], history=history,
+                     active=torch.tensor([0]))
+        finishing = finished.collect(best, ends, live, beam=2)
+        finished.keep(finishing, int(finishing.sum()), best, origin, live)
+        return finishing.tolist()
+
+    two = torch.tensor([[[5, 7], [6, 8]]])  # length 3 with EOS: penalty 2.0
+    # EOS at ranks 0, 2, 3: only rank 0 is among the first K = 2
+    assert step(two, torch.tensor([[-1.0, -2.0, -3.0, -4.0]]), torch.tensor([[1, 0, 0, 1]]),
+                torch.tensor([[True, False, True, True]])) == [[True, False]]
     assert finished.kth_best[0] == -math.inf  # one of the two asked for
-    finished.collect(torch.tensor([[-3.0, -1.0, -5.0, -6.0]]), torch.tensor([[0, 0, 1, 1]]),
-                     torch.tensor([[True, False, False, False]]), live, beam=2, penalty=1.5)
-    assert finished.kth_best[0] == pytest.approx(-2.0)
-    assert [h.tokens for h in finished.best()[0]] == [[6, 8], [5, 7]]
-    assert Finished(batch=1, nbest=1, device="cpu").best() == [[Hypothesis([], -math.inf,
-                                                                           -math.inf)]]
+    three = torch.tensor([[[5, 7, 9], [6, 8, 9]]])  # length 4: penalty 1.5
+    assert step(three, torch.tensor([[-3.0, -1.0, -5.0, -6.0]]), torch.tensor([[0, 0, 1, 1]]),
+                torch.tensor([[True, False, False, False]])) == [[True, False]]
+    assert finished.kth_best[0] == -2.0 and finished.top.tolist() == [[-0.5, -2.0]]
+    # -3.0 / 1.5 = -2.0 ties the 2nd best, found earlier: not kept; -2.25 / 1.5 beats it
+    assert step(three, torch.tensor([[-3.0, -2.25, -5.0, -6.0]]), torch.tensor([[1, 0, 1, 1]]),
+                torch.tensor([[True, True, False, False]])) == [[False, True]]
+    assert finished.top.tolist() == [[-0.5, -1.5]]
+    assert finished.best() == [[Hypothesis([6, 8], -0.5, -1.0),
+                                Hypothesis([5, 7, 9], -1.5, -2.25)]]
+    assert Finished(batch=1, nbest=1, penalties=penalties).best() == [
+        [Hypothesis([], -math.inf, -math.inf)]]
 
 
 def test_beams_advance_drops_done_sentences_and_reorders_the_cache():
@@ -392,10 +407,17 @@ def test_sampling_is_reproducible_batch_independent_and_greedy_at_top1():
 
 
 class CountedSteps:
-    """A model whose decode steps are counted."""
+    """`random_model`, whose outputs seldom end before their limit, made to end sooner: EOS
+    gains a set bonus after each token and 1.2 per step. Each step's start is marked in the
+    counts of `syncs`."""
 
-    def __init__(self, model):
-        self.model, self.config, self.steps = model, model.config, 0
+    def __init__(self, syncs: HostSyncs, vocab: int = 40):
+        self.model, self.syncs, self.marks = random_model(vocab, seed=5), syncs, []
+        self.config = self.model.config
+        self.eos_bonus = torch.zeros(vocab, vocab)
+        self.eos_bonus[:, 3] = 4 * torch.randn(vocab, generator=torch.Generator().manual_seed(2))
+        self.eos_slope = torch.zeros(vocab)
+        self.eos_slope[3] = 1.2
 
     def encode(self, src_tokens):
         return self.model.encode(src_tokens)
@@ -404,29 +426,56 @@ class CountedSteps:
         return self.model.start_decoding(memory, src_mask)
 
     def decode_step(self, tokens, cache):
-        self.steps += 1
-        return self.model.decode_step(tokens, cache)
+        self.marks.append((len(self.syncs.reads), len(self.syncs.uploads)))
+        logits, grown = self.model.decode_step(tokens, cache)
+        return logits + self.eos_bonus[tokens] + self.eos_slope * cache.step, grown
+
+    def per_step(self) -> list[tuple[int, int]]:
+        """(reads, uploads) from each step's start to the next's, the last's to the end."""
+        ends = self.marks[1:] + [(len(self.syncs.reads), len(self.syncs.uploads))]
+        return [(reads - reads_before, uploads - uploads_before) for
+                (reads_before, uploads_before), (reads, uploads) in zip(self.marks, ends)]
 
 
-@pytest.mark.parametrize("beam", [1, 4])
-def test_a_search_step_waits_for_the_device_a_fixed_number_of_times(beam):
-    """On a GPU each read of a result (a count, a value, the finished hypotheses) is a wait for
-    the device. A step of beam search on 8 sentences reads which hypotheses finished (and, when
-    some did, their tokens in one read) and which sentences go on; whether a row is at its
-    length limit only at the lengths where some sentence has its limit; never once per
-    hypothesis. (`.tolist()` of a CPU tensor dispatches no op: those reads are not counted.)"""
-    model = CountedSteps(random_model(vocab=40, seed=5))
+def test_the_sync_counter_sees_what_a_cpu_run_hides():
+    """`HostSyncs`, which the test below trusts: on a CPU, `.tolist()` and `.to(device)`
+    dispatch no op, and data uploaded from a Python list shows only as torch's lift_fresh."""
+    x = torch.zeros(4)
+    with HostSyncs() as syncs:
+        x[[1, 2]] = torch.ones(2)  # the index made on the host: uploaded on a GPU
+        torch.tensor([1.0, 2.0], device=x.device)
+        x.to(x.device), x.to(torch.float64)  # a move (counted); a cast only
+        x.nonzero(), x.tolist(), float(x[0])
+    assert syncs.uploads == ["lift_fresh", "lift_fresh", "to"]
+    assert syncs.reads == ["nonzero", "tolist", "_local_scalar_dense"]
+
+
+@pytest.mark.parametrize("beam, nbest", [(1, 1), (4, 1), (4, 2), (4, 4), ("sample", 1)])
+def test_a_search_step_reads_once_and_uploads_nothing(beam, nbest):
+    """On a GPU each read of a result (a count, a value, the finished hypotheses) is a wait
+    for the device, and so is each upload of host data. A step of greedy or beam search or
+    sampling reads one thing, how many hypotheses finished and how many sentences go on at
+    once, and uploads nothing; the finished hypotheses are read once, after the last step.
+    On 8 sentences finishing at different steps, some at their length limit."""
+    syncs = HostSyncs()
+    model = CountedSteps(syncs)
     generator = torch.Generator().manual_seed(9)
     sentences = [torch.randint(4, 40, (n,), generator=generator).tolist() + [3]
                  for n in (3, 9, 1, 6, 12, 4, 7, 2)]
     width = max(map(len, sentences))
     batch = torch.tensor([s + [0] * (width - len(s)) for s in sentences])
-    limit_lengths = set(output_limits(batch, 0, 1.0, 10, None).tolist())
-    with HostReads() as reads:
-        found = beam_search(model, batch, beam=beam, nbest=beam, max_len_b=10)
-    assert sum(len(hypotheses) for hypotheses in found) == 8 * beam  # many finished
-    assert len(reads.seen) <= 2 * model.steps + 2 * len(limit_lengths), (model.steps,
-                                                                         reads.seen)
+    with syncs:
+        if beam == "sample":
+            found = sample(model, batch, sentence_uniforms(1, list(range(8)), 30), max_len_b=10,
+                           temperature=2.0)
+        else:
+            found = beam_search(model, batch, beam=beam, nbest=nbest, max_len_b=10)
+    assert sum(len(hypotheses) for hypotheses in found) == 8 * nbest
+    limits = output_limits(batch, 0, 1.0, 10, None).tolist()
+    assert sum(len(h.tokens) + 1 < limit for hypotheses, limit in zip(found, limits)
+               for h in hypotheses) >= 3 * nbest  # not only at the limit
+    assert model.per_step() == [(1, 0)] * (len(model.marks) - 1) + [(2, 0)], \
+        (syncs.reads, syncs.uploads)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

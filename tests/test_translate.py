@@ -308,6 +308,23 @@ def test_int8_is_refused_on_a_gpu(trained):
     assert_clean_error(result, "--int8", "on a GPU use --dtype bf16")
 
 
+def test_int8_with_device_auto_on_a_gpu_machine_is_refused_before_any_model_loads(
+        trained, monkeypatch):
+    """`--device auto` picks the GPU there: --int8 is refused at once, not after every model
+    of the ensemble was read and moved to the GPU (review N12)."""
+    import attn_cli.ensemble
+
+    model, _ = trained
+    loaded = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(attn_cli.ensemble, "load_model",
+                        lambda path, device: loaded.append(path))
+    with pytest.raises(AttnError, match="on a GPU use --dtype bf16"):
+        load_translator(model, device="auto", int8=True)
+    assert loaded == []
+
+
 @pytest.mark.parametrize("int8", [False, True])
 def test_a_translator_keeps_copies_made_for_decoding_not_the_loaded_models(int8, monkeypatch):
     """The loaded models are left as they were and freed once load_translator returns: the

@@ -143,5 +143,54 @@ class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class HostSyncs(HostReads):
+    """Every copy between host and device a GPU run would make, counted on a CPU run, where
+    some of them dispatch no op at all. `reads` (device to host, the host waits):
+    `HostReads`'s ops, and `.tolist()`, `.cpu()`, `.numpy()`. `uploads` (host to device,
+    without `non_blocking` the host waits too): a tensor made from Python data
+    (`torch.tensor(list)`, `x[list]`, `x[list] = ...`: torch's `lift_fresh`, counted where it
+    is made, whatever its device), and `.to(...)` or `.cuda()` naming a device (the search's
+    device is the host itself on a CPU run, so any move counts). Not seen: `copy_` from a
+    host tensor made otherwise (by a CPU generator, say)."""
+
+    READS = {"tolist", "cpu", "numpy"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = self.seen
+        self.uploads: list[str] = []
+        self._methods = _TensorMethods(self)
+
+    def __enter__(self):
+        self._methods.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self._methods.__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "lift_fresh":
+            self.uploads.append("lift_fresh")
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _TensorMethods(torch.overrides.TorchFunctionMode):
+    """`HostSyncs`'s view of the tensor methods that dispatch no op on a CPU."""
+
+    def __init__(self, syncs: HostSyncs):
+        super().__init__()
+        self.syncs = syncs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name, kwargs = getattr(func, "__name__", ""), kwargs or {}
+        if name in HostSyncs.READS:
+            self.syncs.reads.append(name)
+        elif name == "cuda" or name == "to" and ("device" in kwargs or any(
+                isinstance(arg, (torch.device, str, torch.Tensor)) for arg in args[1:])):
+            self.syncs.uploads.append(name)
+        return func(*args, **kwargs)
+
+
 def _flat(indices) -> list:
     return [index for index in (indices if isinstance(indices, (list, tuple)) else [indices])]

@@ -1,6 +1,12 @@
 """The processes of a training job: one, or torchrun's (NCCL on GPUs, gloo on CPUs), and what
 they must agree on.
 
+ATTN_DDP_ONE_RANK=1 puts a job of one process through the same path as several: a process group
+of one rank and the model wrapped in DDP (bucket views, `no_sync` while accumulating, the bf16
+hook with --grad-sync bf16, object collectives, barrier and teardown), and trains bitwise the
+weights of a run without it (tested under gloo). It is how DDP's code runs on a machine with one
+GPU, where NCCL refuses a second rank.
+
 Every collective here is issued by every process in the same order, so no process can wait for
 another that went elsewhere; a process that cannot start (a missing file, a different data file)
 tells the others instead of leaving them waiting until --dist-timeout.
@@ -20,7 +26,10 @@ import torch
 
 from ..devices import pick_device
 from ..errors import AttnError
-from ..formats import GRAD_SYNC
+from ..formats import CUDNN_ATTENTION, GRAD_SYNC
+
+# The switch that makes a one-process job a process group of one rank, trained through DDP.
+ONE_RANK_SWITCH = "ATTN_DDP_ONE_RANK"
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,7 @@ class Processes:
     rank: int
     world_size: int
     device: torch.device
+    one_rank_group: bool = False  # alone, but in a process group and DDP (ONE_RANK_SWITCH)
 
     @property
     def is_main(self) -> bool:
@@ -37,7 +47,8 @@ class Processes:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        """Whether the job runs as a process group, its model wrapped in DDP."""
+        return self.world_size > 1 or self.one_rank_group
 
     def log(self, message: str) -> None:
         """A line of `attn train`'s on stderr, from the main process only."""
@@ -47,10 +58,11 @@ class Processes:
 
 def start_processes(device_option: str, timeout_minutes: float) -> Processes:
     """One process, or one of torchrun's (WORLD_SIZE, RANK, LOCAL_RANK in the environment):
-    NCCL on CUDA, gloo on CPU."""
+    NCCL on CUDA, gloo on CPU. One process with ATTN_DDP_ONE_RANK=1: a process group of one."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    one_rank_group = world_size == 1 and os.environ.get(ONE_RANK_SWITCH) == "1"
     check_process_layout(device_option)
     device = pick_device(device_option, local_rank)
     if device.type == "cuda":
@@ -60,24 +72,59 @@ def start_processes(device_option: str, timeout_minutes: float) -> Processes:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     else:
-        # The cores this process may run on (not the machine's) shared out among a node's
-        # processes. A single process keeps OMP_NUM_THREADS when it is set (torch has read it);
-        # under torchrun it is not the user's word: torchrun sets it to 1 unless told otherwise.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if world_size > 1 or "OMP_NUM_THREADS" not in os.environ:
-            cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                     else os.cpu_count() or 1)
-            torch.set_num_threads(max(1, cores // local_world))
-    if world_size > 1:
-        import torch.distributed as dist
-
+        torch.set_num_threads(cpu_threads(world_size))
+    if world_size > 1 or one_rank_group:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes),
-                                **({"device_id": device} if device.type == "cuda" else {}))
-        print(f"train: rank {rank}/{world_size} on {socket.gethostname()} pid {os.getpid()}, "
-              f"{device} ({backend}), {torch.get_num_threads()} threads",
-              file=sys.stderr, flush=True)
-    return Processes(rank, world_size, device)
+        init_process_group(backend, device, timeout_minutes, alone=one_rank_group)
+        what = (f"DDP on one rank ({ONE_RANK_SWITCH}=1): rank 0/1" if one_rank_group
+                else f"rank {rank}/{world_size}")
+        print(f"train: {what} on {socket.gethostname()} pid {os.getpid()}, {device} "
+              f"({backend}), {torch.get_num_threads()} threads", file=sys.stderr, flush=True)
+    return Processes(rank, world_size, device, one_rank_group)
+
+
+def cpu_threads(world_size: int) -> int:
+    """Torch threads of a process training on the CPU: OMP_NUM_THREADS's count when one
+    process runs and the variable is set, set here rather than left to what torch read at
+    import (a library caller may have changed it since; the CPU's sums, hence the weights,
+    depend on the count: a run and its resumption must agree). Else the cores this process may
+    run on (not the machine's) shared out among a node's processes: under torchrun the
+    variable is not the user's word (torchrun sets it to 1 unless told otherwise)."""
+    asked = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if world_size == 1 and asked.isdigit() and int(asked) > 0:
+        return int(asked)
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count() or 1)
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def init_process_group(backend: str, device: torch.device, timeout_minutes: float,
+                       alone: bool) -> None:
+    """The default process group: torchrun's rendezvous (MASTER_ADDR, ...), or `alone`, a group
+    of one rank over an in-process store (no address, no port to find free; NCCL and gloo both
+    take it)."""
+    import torch.distributed as dist
+
+    where = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}
+    dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes),
+                            **({"device_id": device} if device.type == "cuda" else {}), **where)
+
+
+def choose_cudnn_attention(option: str, device: torch.device) -> bool:
+    """--cudnn-attention off: scaled_dot_product_attention never picks cuDNN's kernels on
+    CUDA (auto leaves torch's choice). From torch 2.9 with cuDNN 9.15 on H100 it prefers them,
+    and cuDNN builds a graph for every new (batch, source, target) shape, which length-bucketed
+    batches bring by the thousand. On a CPU there is nothing to choose. Returns whether it
+    turned them off."""
+    if option not in CUDNN_ATTENTION:
+        raise AttnError(f"--cudnn-attention must be one of {', '.join(CUDNN_ATTENTION)}, not "
+                        f"{option!r}")
+    if option == "auto" or device.type != "cuda":
+        return False
+    if not hasattr(torch.backends.cuda, "enable_cudnn_sdp"):  # a torch without cuDNN attention
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return True
 
 
 def check_process_layout(device_option: str) -> None:
@@ -112,9 +159,21 @@ def gradient_sync_dtype(option: str, processes: Processes) -> str:
         raise AttnError("--grad-sync bf16 needs CUDA (NCCL); gloo sums float32")
     if option != "auto":
         return option
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", processes.world_size))
-    spans_nodes = processes.world_size > local_world
-    return "bf16" if spans_nodes and processes.device.type == "cuda" else "fp32"
+    return "bf16" if spans_nodes(processes) and processes.device.type == "cuda" else "fp32"
+
+
+def spans_nodes(processes: Processes) -> bool:
+    """Whether the job's processes run on more than one node (torchrun's LOCAL_WORLD_SIZE)."""
+    return processes.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", processes.world_size))
+
+
+def bucket_megabytes(processes: Processes) -> int:
+    """The size of DDP's gradient buckets (one all-reduce each). Between nodes every all-reduce
+    pays the network's latency (each of a ring's 2(N-1) hops, tens of µs) besides its bytes:
+    100 MB buckets make base's ~250 MB of float32 gradients 3 all-reduces instead of 10. Within
+    a node the latency is small, and torch's 25 MB lets the first buckets go out while the
+    backward pass is still computing the rest."""
+    return 100 if spans_nodes(processes) else 25
 
 
 def wrap_for_ddp(model: torch.nn.Module, processes: Processes,
@@ -134,7 +193,8 @@ def wrap_for_ddp(model: torch.nn.Module, processes: Processes,
                         else {"broadcast_buffers": False})  # torch < 2.13's name
     ddp_model = DistributedDataParallel(
         model, device_ids=[processes.device.index] if processes.device.type == "cuda"
-        else None, gradient_as_bucket_view=True, **constant_buffers)
+        else None, gradient_as_bucket_view=True, bucket_cap_mb=bucket_megabytes(processes),
+        **constant_buffers)
     if gradient_sync_dtype(grad_sync, processes) == "bf16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -197,6 +257,31 @@ def from_main(value, processes: Processes):
     return sent[0]
 
 
+def once_per_node(compute: Callable, processes: Processes):
+    """`compute()` on each node's first process (LOCAL_RANK 0) only, its result sent to the
+    node's other processes (every process takes part in one all-gather). `compute` must not
+    raise (a process that left would leave the others waiting) and returns something not None.
+    Under torchrun a node's processes run one command line and hold consecutive ranks; a rank
+    whose node's first process is not where it expects (ranks started by hand) computes for
+    itself."""
+    if not processes.distributed:
+        return compute()
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    results: list = [None] * processes.world_size
+    dist.all_gather_object(results, compute() if local_rank == 0 else None)
+    shared = results[processes.rank - local_rank] if local_rank <= processes.rank else None
+    return shared if shared is not None else compute()
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line of an error message: its type and its text (CUDA's and some
+    OS errors run over several lines), cut short."""
+    said = " ".join(str(error).split())
+    return f"{type(error).__name__}: {said[:400]}"
+
+
 def same_on_every_rank(processes: Processes, prepare: Callable, facts: Callable):
     """`prepare()` on every rank, then each rank's `facts(prepared)` compared with rank 0's: a
     rank that failed or differs stops every rank with an error naming it (a rank that stopped
@@ -213,8 +298,7 @@ def same_on_every_rank(processes: Processes, prepare: Callable, facts: Callable)
         report["error"] = str(error)
     except Exception as error:  # noqa: BLE001 (out of memory, a busy GPU, a file system error:
         # told to every rank, or the others would wait for this one until --dist-timeout)
-        said = " ".join(str(error).split())  # one line (CUDA's messages run over several)
-        report["error"] = f"{type(error).__name__}: {said[:400]}"
+        report["error"] = one_line(error)
     reports: list = [None] * processes.world_size
     dist.all_gather_object(reports, report)
     problem = rank_disagreement(reports)

@@ -42,6 +42,7 @@ from ..errors import AttnError, TrainingDiverged, batch_must_fit
 from .distributed import (
     Processes,
     all_reduce_sum,
+    choose_cudnn_attention,
     collective_failed,
     from_main,
     start_processes,
@@ -148,6 +149,8 @@ class _Run(Start):
 
 def _start(options: TrainOptions, processes: Processes, display: Display) -> _Run:
     """Data, model, optimizer and batches of a new or resumed run, the same on every rank."""
+    if choose_cudnn_attention(options.cudnn_attention, processes.device):
+        processes.log("attention never on cuDNN's kernels (--cudnn-attention off)")
     recipe = options.recipe()
     begun = start(options, processes)
     plan = batch_plan(recipe.batch_tokens, options.max_tokens, processes.world_size)

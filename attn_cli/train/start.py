@@ -33,7 +33,7 @@ from ..errors import AttnError
 from ..files import file_sha256
 from ..model import Transformer
 from ..modelfile import LoadedModel, init_config, load_model
-from .distributed import Processes, from_main, same_on_every_rank
+from .distributed import Processes, from_main, once_per_node, one_line, same_on_every_rank
 
 
 @dataclass
@@ -52,14 +52,18 @@ class Start:
 
 
 def lock_run_directory(run_dir: Path, processes: Processes) -> checkpoints.RunLock | None:
-    """The main process locks the run directory (checkpoints.RunLock); where another training
-    holds it, every process stops with the main one's error line."""
+    """The main process makes and locks the run directory (checkpoints.RunLock); where another
+    training holds it, or the file system refuses (read-only, permissions, quota), every
+    process stops with the main one's error line."""
     lock, refused = None, None
     if processes.is_main:
         try:
             lock = checkpoints.RunLock(run_dir)
         except AttnError as error:
             refused = str(error)
+        except Exception as error:  # noqa: BLE001 (told to every rank, or the others would
+            # wait for this one until --dist-timeout)
+            refused = f"cannot make or lock the run directory -o {run_dir}: {one_line(error)}"
     refused = from_main(refused, processes)
     if refused:
         raise AttnError(refused)
@@ -75,6 +79,10 @@ def start(options: TrainOptions, processes: Processes) -> Start:
     run_dir = Path(options.output)
     resume_from = resume_step(run_dir, options.resume, processes)
     dtype = resolve_dtype(options.dtype, processes.device)
+    # --init is read by new runs only: a resumed one goes on from its checkpoint
+    checksums = node_checksums({"data file": options.data, "validation file": options.valid,
+                                "init model file": options.init if resume_from is None
+                                else None}, processes)
     dropout = options.recipe().dropout
 
     def prepare() -> Start:
@@ -96,14 +104,16 @@ def start(options: TrainOptions, processes: Processes) -> Start:
             return Start(data, valid, dtype, model, optimizer, scaler, point,
                          checkpoints.init_provenance(loaded), resumed=True)
         if options.init is not None:
-            model, provenance = init_model(options.init, dropout, data, processes.device)
+            model, provenance = init_model(options.init, dropout, data, processes.device,
+                                           checksums["init model file"])
         else:
             config = preset_config(options.preset, dropout, data)
             model, provenance = Transformer(config).to(processes.device), {}
         return Start(data, valid, dtype, model.train(), adam(model), scaler, ResumePoint(),
                      provenance, resumed=False)
 
-    return same_on_every_rank(processes, prepare, lambda begun: rank_facts(options, begun))
+    return same_on_every_rank(processes, prepare,
+                              lambda begun: rank_facts(options, begun, checksums))
 
 
 def announce(begun: Start, options: TrainOptions, plan: BatchPlan, processes: Processes) -> None:
@@ -139,30 +149,53 @@ def adam(model: torch.nn.Module) -> torch.optim.Adam:
         return torch.optim.Adam(parameters, lr=0.0, betas=(0.9, 0.98), eps=1e-9)
 
 
-def rank_facts(options: TrainOptions, begun: Start) -> dict:
+def rank_facts(options: TrainOptions, begun: Start, checksums: dict[str, str | None]) -> dict:
     """What every rank must share with rank 0: the options (less the paths, which may differ
     from node to node: the files' contents are compared instead), the data and the model file
-    a fine-tuning run starts from by checksum, and the point it resumes from."""
+    a fine-tuning run starts from by checksum (node_checksums), and the point it resumes
+    from."""
     point = begun.point
     return {
         "options": {key: value for key, value in options.record().items()
                     if key not in PER_NODE_OPTIONS},
-        "data file": file_sha256(begun.data.path),
-        "validation file": file_sha256(begun.valid.path) if begun.valid is not None else None,
+        "data file": checksums["data file"],
+        "validation file": checksums["validation file"],
         "init model file": begun.provenance.get("init_sha256"),
         "resumed from": {"step": point.step, "epoch": point.epoch,
                          "offset": point.offset, "elapsed_s": point.elapsed_seconds},
     }
 
 
+def node_checksums(paths: dict[str, Path | None], processes: Processes) -> dict[str, str | None]:
+    """The sha256 of each named file (None: not given, or unreadable, which reading it later
+    says better), read once per node: a node's first process reads the files, its other
+    processes take the sums from it (distributed.once_per_node). Eight processes reading a
+    multi-GB data file at every start would be eight times the disk's or the network file
+    system's work for the same answer. A process given another path than its node's first one
+    reads its own file."""
+    def checksum(path: Path | None) -> str | None:
+        try:
+            return None if path is None else file_sha256(path)
+        except Exception:  # noqa: BLE001 (every process must reach the collective)
+            return None
+
+    def read_here() -> dict:
+        return {name: (str(path), checksum(path)) for name, path in paths.items()}
+
+    shared = once_per_node(read_here, processes)
+    return {name: shared[name][1] if shared[name][0] == str(path) else checksum(path)
+            for name, path in paths.items()}
+
+
 # ---------------------------------------------------------------------- fine-tuning: --init
 
 
-def init_model(init: Path, dropout: float, data: ParallelData,
-               device: torch.device) -> tuple[Transformer, dict[str, str]]:
+def init_model(init: Path, dropout: float, data: ParallelData, device: torch.device,
+               init_sha256: str | None) -> tuple[Transformer, dict[str, str]]:
     """Fine-tuning: the network of the model file `init` (its config as it is, whatever fields
     it has, with the recipe's dropout) holding its weights, loaded strictly; and the provenance
-    its run's checkpoints record. The optimizer and the schedule start afresh at step 0."""
+    its run's checkpoints record, with the file's checksum (node_checksums). The optimizer and
+    the schedule start afresh at step 0."""
     try:
         loaded = load_model(init)
     except AttnError as error:
@@ -170,7 +203,7 @@ def init_model(init: Path, dropout: float, data: ParallelData,
     check_init_vocabulary(init, loaded, data)
     model = Transformer(dataclasses.replace(loaded.config, dropout=dropout)).to(device)
     model.load_state_dict(loaded.model.state_dict(), strict=True)
-    return model, {"init": str(init), "init_sha256": file_sha256(init)}
+    return model, {"init": str(init), "init_sha256": init_sha256 or file_sha256(init)}
 
 
 def check_init_vocabulary(init: Path, loaded: LoadedModel, data: ParallelData) -> None:
@@ -211,19 +244,32 @@ def resume_step(run_dir: Path, resume: bool, processes: Processes) -> int | None
     hold other checkpoints or none. Refuses to overwrite a run without --resume."""
     decision: dict = {}
     if processes.is_main:
-        existing = checkpoints.list_checkpoints(run_dir, need_state=True)
-        if existing and not resume:
-            decision["error"] = (f"{run_dir} already holds checkpoints (last: step "
-                                 f"{existing[-1][0]}); add --resume to continue that run, or "
-                                 "choose another -o")
-        elif existing:
-            decision.update(newest_intact(run_dir, [step for step, _ in existing], processes))
-        elif resume:
-            processes.log(f"nothing to resume in {run_dir}: starting a new run")
+        try:
+            decision = resume_decision(run_dir, resume, processes)
+        except AttnError as error:
+            decision = {"error": str(error)}
+        except Exception as error:  # noqa: BLE001 (an unreadable directory: told to every
+            # rank, or the others would wait for this one until --dist-timeout)
+            decision = {"error": f"cannot read the run directory -o {run_dir}: "
+                                 f"{one_line(error)}"}
     decision = from_main(decision, processes)
     if "error" in decision:
         raise AttnError(decision["error"])
     return decision.get("step")
+
+
+def resume_decision(run_dir: Path, resume: bool, processes: Processes) -> dict:
+    """On the main process, from the run directory: {"step": the checkpoint to resume from},
+    {} for a new run, or {"error"}."""
+    existing = checkpoints.list_checkpoints(run_dir, need_state=True)
+    if existing and not resume:
+        return {"error": f"{run_dir} already holds checkpoints (last: step {existing[-1][0]}); "
+                         "add --resume to continue that run, or choose another -o"}
+    if existing:
+        return newest_intact(run_dir, [step for step, _ in existing], processes)
+    if resume:
+        processes.log(f"nothing to resume in {run_dir}: starting a new run")
+    return {}
 
 
 def newest_intact(run_dir: Path, steps: list[int], processes: Processes) -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from attn_cli import batching
 from attn_cli.checkpoints import list_checkpoints
@@ -63,6 +64,47 @@ def test_gradients_are_all_reduced_in_bf16_between_nodes_on_gpus_only(monkeypatc
     assert distributed.gradient_sync_dtype("bf16", gpu) == "bf16"
     with pytest.raises(AttnError, match="--grad-sync bf16 needs CUDA"):
         distributed.gradient_sync_dtype("bf16", cpu)
+
+
+def test_cudnn_attention_off_turns_cudnns_kernels_off_on_cuda_only(monkeypatch):
+    from attn_cli.errors import AttnError
+
+    calls = []
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", calls.append, raising=False)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert distributed.choose_cudnn_attention("off", gpu) and calls == [False]
+    assert not distributed.choose_cudnn_attention("auto", gpu)  # torch's choice, untouched
+    assert not distributed.choose_cudnn_attention("off", cpu)  # nothing to choose on a CPU
+    assert calls == [False]
+    with pytest.raises(AttnError, match="--cudnn-attention must be one of auto, off"):
+        distributed.choose_cudnn_attention("on", gpu)
+
+
+def test_cudnn_attention_off_is_a_train_option_without_effect_on_a_cpu(data_files, tmp_path,
+                                                                      monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", calls.append, raising=False)
+    result = run_attn(*train_args(data_files[0], tmp_path / "run", "--max-steps", 1,
+                                  "--cudnn-attention", "off"))
+    assert result.returncode == 0, result.stderr
+    assert calls == [] and "cuDNN" not in result.stderr
+    assert json.loads(saved_state(tmp_path / "run", 1)["options"])["cudnn_attention"] == "off"
+
+
+@pytest.mark.parametrize("environment,threads", [
+    ({"OMP_NUM_THREADS": "3"}, 3),  # one process: the user's word, set whatever torch has now
+    ({"OMP_NUM_THREADS": "3,1"}, 3),  # OpenMP's nested list: the outer level
+    ({"OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, None),  # torchrun's
+])
+def test_a_cpu_training_process_sets_its_threads(environment, threads, monkeypatch):
+    for name in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    world_size = int(environment.get("WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    expected = threads or max(1, cores // 2)
+    assert distributed.cpu_threads(world_size) == expected
 
 
 # ------------------------------------------------------------------------------------ processes
@@ -272,6 +314,40 @@ def test_any_failure_of_a_rank_at_start_stops_every_rank(tmp_path):
                                    "CUDA out of memory. Tried to allocate 2.00 GiB more details")
 
 
+def _hashing_start(processes, data: str, valid: str, out: str) -> dict:
+    from attn_cli.train import start as start_module
+
+    hashed = []
+    original = start_module.file_sha256
+
+    def counting(path):
+        hashed.append(Path(path).name)
+        return original(path)
+
+    start_module.file_sha256 = counting
+    options = TrainOptions(data=Path(data), valid=Path(valid), output=Path(out) / "run",
+                           preset="tiny", device="cpu", max_steps=1)
+    start_module.start(options, processes)
+    return {"hashed": hashed}
+
+
+@pytest.mark.slow
+def test_the_data_files_are_read_for_their_checksum_once_per_node(data_files, tmp_path):
+    """Two processes on one node (LOCAL_RANK 0 and 1): the first hashes the data and the
+    validation file, the second takes the sums from it, and both agree."""
+    results = in_two_processes(_hashing_start, str(data_files[0]), str(data_files[1]),
+                               str(tmp_path))
+    assert [result["hashed"] for result in results] == [["train.st", "valid.st"], []]
+
+
+def test_ddp_buckets_are_larger_when_the_job_spans_nodes(monkeypatch):
+    processes = distributed.Processes(3, 16, torch.device("cuda", 3))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 2 nodes of 8
+    assert distributed.bucket_megabytes(processes) == 100
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert distributed.bucket_megabytes(processes) == 25
+
+
 # -------------------------------------------------------------------- validation while training
 
 SLOW_SCORING = """\
@@ -321,3 +397,65 @@ def test_validation_by_bleu_on_two_processes_and_past_the_timeout(data_files, tm
     assert "error: rank 1: waiting for the other processes failed" in late.stderr
     assert "--dist-timeout 0.1 min: it must exceed a validation and a save" in late.stderr
     assert "]: Traceback" not in late.stderr  # none from a rank (torchrun prints its own)
+
+
+# ------------------------------------------------------------------ DDP on one rank (the switch)
+
+
+def metrics_losses(run_dir: Path) -> list[tuple]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(row["step"], row["loss"], row["nll"]) for row in rows if "loss" in row]
+
+
+def test_ddp_on_one_rank_trains_bitwise_what_one_process_does(data_files, tmp_path,
+                                                              monkeypatch):
+    """ATTN_DDP_ONE_RANK=1 (what the GPU smoke runs on one GPU over NCCL; here gloo): a process
+    group of one rank and the model in DDP (bucket views, `no_sync` over 4 accumulated passes,
+    object collectives) train the same weights, bitwise, and the same losses as one process
+    without DDP; stopped at step 2 and resumed, too."""
+    common = ["--batch-tokens", 1200, "--max-tokens", 300, "--save-every", 2, "--seed", 3]
+    alone, grouped = tmp_path / "alone", tmp_path / "grouped"
+    plain = run_attn(*train_args(data_files[0], alone, *common, "--max-steps", 4))
+    assert plain.returncode == 0, plain.stderr
+    assert "4 accumulation step(s)" in plain.stderr and "DDP" not in plain.stderr
+    monkeypatch.setenv(distributed.ONE_RANK_SWITCH, "1")
+    for steps, resume in ((2, ()), (4, ("--resume",))):
+        result = run_attn(*train_args(data_files[0], grouped, *common, "--max-steps", steps,
+                                      *resume))
+        assert result.returncode == 0, result.stderr
+        assert "train: DDP on one rank (ATTN_DDP_ONE_RANK=1): rank 0/1 on " in result.stderr
+    for step in (2, 4):  # before and after the resume
+        expected = load_file(str(alone / f"checkpoint-{step}.st"))
+        for name, tensor in load_file(str(grouped / f"checkpoint-{step}.st")).items():
+            assert torch.equal(tensor, expected[name]), (step, name)
+    assert metrics_losses(grouped) == metrics_losses(alone)
+
+
+# ----------------------------------------------------------------------- the run directory
+
+
+def unusable_directory(tmp_path: Path) -> Path:
+    """An -o that rank 0 cannot make or lock: under a read-only directory, or (as root, whom
+    permissions do not stop) under a regular file."""
+    if os.geteuid() == 0:
+        blocker = tmp_path / "a-file"
+        blocker.write_text("")
+        return blocker / "run"
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o555)
+    return read_only / "run"
+
+
+@pytest.mark.slow
+def test_a_run_directory_rank_0_cannot_make_stops_every_rank_with_one_line(data_files,
+                                                                          tmp_path):
+    """A file system error on rank 0 while it makes and locks -o (read-only, permissions,
+    quota) is told to every rank, like a refused lock: each exits 2 with one line, none waits
+    for rank 0 until --dist-timeout."""
+    run_dir = unusable_directory(tmp_path)
+    started = time.monotonic()
+    results = start_ranks(*[train_args(data_files[0], run_dir, "--max-steps", 1)] * 2)
+    assert time.monotonic() - started < 50  # not --dist-timeout's minute
+    for result in results:
+        assert_clean_error(result, f"cannot make or lock the run directory -o {run_dir}: ",
+                           "Error: [Errno ")

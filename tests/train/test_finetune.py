@@ -43,16 +43,6 @@ def domain_pairs(count: int, seed: int, shift: int) -> tuple[list[str], list[str
 DOMAINS = {"a": 0, "b": 3}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_per_run():
-    """The runs here keep the one torch thread of the test (conftest.one_torch_thread): attn
-    train uses every core unless OMP_NUM_THREADS is set, and a tiny model on two threads
-    beside another busy process runs 10-100x slower (OpenMP's waiting at every op)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMP_NUM_THREADS", "1")
-        yield
-
-
 @pytest.fixture(scope="module")
 def domains(tmp_path_factory) -> dict[str, Path]:
     """Both domains as text, one vocabulary learned over both, each domain's training and

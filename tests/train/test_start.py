@@ -68,6 +68,8 @@ def test_refuses_to_overwrite_a_run_without_resume(data_files, tmp_path):
 
 @pytest.mark.slow
 def test_kill_and_resume_reaches_the_same_parameters(data_files, tmp_path):
+    """Killed with -9 and resumed: the parameters of the uninterrupted run, bitwise (every run
+    on one thread: tests/train/conftest.py)."""
     common = ["--max-steps", 24, "--save-every", 4, "--seed", 5]
     reference = run_attn(*train_args(data_files[0], tmp_path / "whole", *common))
     assert reference.returncode == 0, reference.stderr

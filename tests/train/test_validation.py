@@ -6,11 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from attn_cli.batching import source_budget, token_budget_batches
 from attn_cli.checkpoints import best_steps, list_checkpoints, scored_steps, state_path
 from attn_cli.data import ParallelData
 from attn_cli.modelfile import load_model
-from attn_cli.train.validation import Validator
+from attn_cli.train.validation import Validator, shared_budget
 
 from ..conftest import assert_clean_error, run_attn
 
@@ -156,6 +158,19 @@ def test_validation_shared_out_among_processes_decodes_what_one_process_does(tra
         merged = {index: tokens for share in shares for index, tokens in share.items()}
         assert merged == whole
     assert validator.texts(whole) == validator.hypotheses(model)
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_every_one_of_8_gpus_gets_validation_sentences_to_decode(beam):
+    """3,000 sentences of ~30 tokens fit 64,000-token GPU batches in 2: the budget shrinks so
+    that each of 8 processes decodes a share, and stays the device's for one process."""
+    lengths = [10 + (index * 7919) % 41 for index in range(3000)]
+    gpu = torch.device("cuda")  # only compared: no GPU is needed
+    whole = token_budget_batches(lengths, source_budget(shared_budget(lengths, 1, gpu), beam))
+    assert len(whole) <= 2 * beam
+    batches = token_budget_batches(lengths, source_budget(shared_budget(lengths, 8, gpu), beam))
+    shares = [sum(len(batch) for batch in batches[rank::8]) for rank in range(8)]
+    assert min(shares) > 0 and sum(shares) == 3000
 
 
 def test_a_failing_validation_does_not_end_the_run(data_files, tmp_path, monkeypatch):
