@@ -213,11 +213,25 @@ def _attention(inputs: dict, dtype, backend=None):
     q, k, v = (inputs[name].to(dtype).detach().requires_grad_() for name in "qkv")
     context = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
     with context:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=inputs["mask"],
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=model_mask(inputs["mask"], dtype),
                                              is_causal=inputs["causal"])
         grad = torch.ones_like(out) / out.numel() ** 0.5
         out.backward(grad)
     return out, q.grad, k.grad, v.grad
+
+
+def model_mask(keep, dtype):
+    """The mask as the model passes it (`Transformer.padding_mask`): additive, 0 at the keys
+    kept and -inf at padding, in the attention's dtype, its rows 8-aligned slices of a wider
+    buffer; None stays None."""
+    import torch
+
+    if keep is None:
+        return None
+    length = keep.shape[-1]
+    aligned = -(-length // 8) * 8
+    mask = torch.zeros(*keep.shape[:-1], aligned, dtype=dtype, device=keep.device)[..., :length]
+    return mask.masked_fill_(~keep, -float("inf"))
 
 
 def backends() -> dict:
