@@ -19,7 +19,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from . import __version__
-from .config import PRESETS, SERVE_DEFAULTS, TRAIN_DEFAULTS
+from .config import ALPHA_HIGHEST, MAX_LEN_A_HIGHEST, PRESETS, SERVE_DEFAULTS, TRAIN_DEFAULTS
 from .errors import AttnError, is_out_of_memory, out_of_memory_line
 from .formats import (
     BATCH_TOKENS,
@@ -138,12 +138,14 @@ BufferSizeOption = Annotated[int, typer.Option(
     "--buffer-size", min=1, help="Lines read ahead and sorted by length (1: interactive, line "
     "by line).")]
 MaxLenAOption = Annotated[float, typer.Option(
-    "--max-len-a", min=0.0, help="Output length limit a·|x| + b: a (paper: 1).")]
+    "--max-len-a", min=0.0, max=MAX_LEN_A_HIGHEST,
+    help="Output length limit a·|x| + b: a (paper: 1).")]
 # The search settings `decode` uses and `serve` takes as its requests' defaults.
 BeamOption = Annotated[int, typer.Option(
     "--beam", min=1, help=f"Beam size (paper: {TRANSLATION.beam}); 1 is greedy.")]
 AlphaOption = Annotated[float, typer.Option(
-    "--alpha", min=0.0, help=f"Length penalty α (paper: {TRANSLATION.alpha}).")]
+    "--alpha", min=0.0, max=ALPHA_HIGHEST, help=f"Length penalty α (paper: "
+    f"{TRANSLATION.alpha}).")]
 MaxLenBOption = Annotated[int, typer.Option(
     "--max-len-b", min=0, help=f"... and b (paper: {TRANSLATION.max_len_b}).")]
 StopOption = Annotated[Stop, typer.Option(
@@ -524,8 +526,35 @@ def serve(
     gather_ms: float = typer.Option(SERVE_DEFAULTS["gather_ms"], "--gather-ms", min=0.0,
                                     help="How long an idle search worker waits for more "
                                     "requests to batch with the first, in milliseconds."),
-    max_connections: int = typer.Option(SERVE_DEFAULTS["max_connections"], "--max-connections",
-                                        min=1, help="Open connections at once (503 above)."),
+    max_connections: int = typer.Option(
+        SERVE_DEFAULTS["max_connections"], "--max-connections", min=1,
+        help="Open connections at once: one more closes the one idle, or without a complete "
+        "request, the longest (503 to the latter); those being answered are kept (a burst may "
+        "pass the cap for a moment, up to twice it: 503 beyond)."),
+    header_timeout: float = typer.Option(
+        SERVE_DEFAULTS["header_timeout"], "--header-timeout", min=0.0,
+        help="Seconds a request's line and headers may take to arrive, from their first byte "
+        "(408 past them, and closed)."),
+    body_timeout: float = typer.Option(
+        SERVE_DEFAULTS["body_timeout"], "--body-timeout", min=0.0,
+        help="Seconds a request's body may take to arrive after its headers (408 past them, "
+        "and closed)."),
+    idle_timeout: float = typer.Option(
+        SERVE_DEFAULTS["idle_timeout"], "--idle-timeout", min=0.0,
+        help="Seconds a connection may send nothing, new or between requests, before it is "
+        "closed."),
+    max_header_bytes: int = typer.Option(
+        SERVE_DEFAULTS["max_header_bytes"], "--max-header-bytes", min=1,
+        help="Largest request line and headers, in bytes (431 above)."),
+    max_request_tokens: int = typer.Option(
+        SERVE_DEFAULTS["max_request_tokens"], "--max-request-tokens", min=1,
+        help="Most output tokens one request's search may produce, every beam counted: the "
+        "sum over its lines of beam × (max_len_a × source tokens + max_len_b); 422 above, "
+        "before any search."),
+    request_timeout: float = typer.Option(
+        SERVE_DEFAULTS["request_timeout"], "--request-timeout", min=0.0,
+        help="Seconds a request may wait and be searched (504 past them; its search stops "
+        "within a step)."),
     beam: BeamOption = TRANSLATION.beam,
     alpha: AlphaOption = TRANSLATION.alpha,
     max_len_a: MaxLenAOption = TRANSLATION.max_len_a,
@@ -551,7 +580,11 @@ def serve(
                            api_key=api_key or None, max_body=max_body, max_lines=max_lines,
                            max_line_chars=max_line_chars, queue_lines=queue_lines,
                            max_beam=max_beam, gather_ms=gather_ms,
-                           max_connections=max_connections)
+                           max_connections=max_connections, header_timeout=header_timeout,
+                           body_timeout=body_timeout, idle_timeout=idle_timeout,
+                           max_header_bytes=max_header_bytes,
+                           max_request_tokens=max_request_tokens,
+                           request_timeout=request_timeout)
     options.check_defaults(beam, max_len_b)
 
     def load():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -332,6 +333,25 @@ def parse_interval(text: str) -> tuple[float, str]:
                         "(30s, 10m, 12h)") from None
 
 
+# ---------------------------------------------------------------------- search settings' bounds
+# The highest values of the search settings that nothing else bounds, for every caller
+# (translate.RANGES checks them; the commands' options name them): each keeps the search's
+# arithmetic finite and its work bounded. Here, not in translate.py, so that the commands read
+# them without importing torch.
+
+# Outputs of up to 10 × the source's tokens (+ b): a target written in much smaller pieces than
+# its source needs 2-4 ×; the most steps a search can then take is 10 × 1023 + b.
+MAX_LEN_A_HIGHEST = 10.0
+# The length penalty ((5 + |Y|) / 6)^α, at most (14,331 / 6)^10 ≈ 6e33 for the longest output a
+# server allows (10 × 1023 + 4096 tokens), stays finite in float32 (3.4e38); GNMT tuned α within
+# 0.2-1, the paper's parsing 0.3.
+ALPHA_HIGHEST = 10.0
+# log p / T, in float32: at T 1e-3 the most probable token's (at least -log V, about -10) is
+# still finite, as the softmax needs (and sampling is greedy to float precision already); above
+# 1e3 the distribution is uniform to float precision. 5e-324 is 0 in float32 and 1e308 infinite:
+# every token's score was -inf or NaN.
+TEMPERATURE_RANGE = (1e-3, 1e3)
+
 # ------------------------------------------------------------------------------- attn serve
 
 MAX_LEN_B = 4096  # the longest outputs a server searches for (each step costs)
@@ -353,12 +373,42 @@ class ServeOptions:
     queue_lines: int = 10_000  # lines waiting for a search worker, all requests together
     max_beam: int = 32
     gather_ms: float = 3.0
+    # Connections (serve/http.py): past max_connections open, the one idle, or without a
+    # complete request, the longest is closed to make room (503 to the latter); those being
+    # answered are kept, and a burst may pass the cap for a moment (503 past twice it).
+    # A request's line and headers must arrive within header_timeout seconds of their first
+    # byte and be at most max_header_bytes (431), its body within body_timeout of the headers
+    # (408 past either, in all, not between reads); a connection that sends nothing for
+    # idle_timeout, new or between requests, is closed.
     max_connections: int = 1024
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    idle_timeout: float = 5.0
+    max_header_bytes: int = 16_384
+    # The most output tokens one request's search may produce, every beam counted: its lines'
+    # sum of beam (1 sampling) × longest allowed output (max_len_a × source tokens +
+    # max_len_b). 1,000 lines of up to 200 tokens at beam 4 and the default lengths pass
+    # (4 × 250 each); 32 beams of 4,096 tokens pass on 7 lines, not on 8 (one such line takes
+    # long: its bound is --request-timeout).
+    max_request_tokens: int = 1_000_000
+    # Seconds a request may wait and be searched once its body is read (504 past them): far
+    # above a request of --max-lines at the defaults (the demo model decodes 1,000 lines at
+    # beam 4 in 4-5 s on 2 cores: benchmarks/README.md).
+    request_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if self.queue_lines < self.max_lines:
             raise AttnError(f"--queue-lines ({self.queue_lines}) must hold a request of "
                             f"--max-lines ({self.max_lines})")
+        for option, seconds in (("--header-timeout", self.header_timeout),
+                                ("--body-timeout", self.body_timeout),
+                                ("--idle-timeout", self.idle_timeout)):
+            if not 0 < seconds < math.inf:  # NaN too
+                raise AttnError(f"{option} must be a finite number of seconds above 0, not "
+                                f"{seconds}")
+        if not 0 < self.request_timeout < math.inf:  # NaN too
+            raise AttnError(f"--request-timeout must be a finite number of seconds above 0, "
+                            f"not {self.request_timeout}")
 
     def check_defaults(self, beam: int, max_len_b: int) -> None:
         """The server's own search settings (--beam, --max-len-b) within what it lets a request

@@ -14,6 +14,7 @@ model and to an optional constraint (parsing's well-formed trees) through the tw
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -176,14 +177,15 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
                 alpha: float = TRANSLATION.alpha, max_len_a: float = TRANSLATION.max_len_a,
                 max_len_b: int = TRANSLATION.max_len_b, nbest: int = 1,
                 banned: tuple[int, ...] | None = None, longest: int | None = None,
-                constraint: Constraint | None = None,
-                stop: Stop | str = Stop.bound) -> list[list[Hypothesis]]:
+                constraint: Constraint | None = None, stop: Stop | str = Stop.bound,
+                cancelled: Callable[[], Iterable[int]] | None = None) -> list[list[Hypothesis]]:
     """src_tokens (B, S), padded with pad_id and ending in EOS → for each sentence, its `nbest`
     best hypotheses, best first. `longest` caps every output length (a model with learned
     positions has no position past its table). `constraint` says which tokens each hypothesis
     may take next (None: any). `stop` says when a sentence's search ends (`Stop`). `beam=1` is
     greedy decoding, as tensor2tensor does for a beam of one: the most probable token at each
-    step until EOS (the length penalty then only scales the reported score).
+    step until EOS (the length penalty then only scales the reported score). `cancelled`: see
+    `CalledOff` (what comes back for a sentence called off means nothing).
 
     Each step, the 2K best extensions of a sentence's K beams are ranked: an EOS among the first
     K finishes a hypothesis, and the first K that are not EOS live on (one EOS at most per beam,
@@ -206,6 +208,7 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
     live = Beams.start(batch, config.bos_id, device)
     constraint = (constraint or Unconstrained(config.eos_id)).to(device)
     state = constraint.start(batch, 1, device)
+    called_off = CalledOff(cancelled, batch, device)
 
     for step in range(max(limit_lengths)):
         logits, cache = model.decode_step(live.tokens.view(-1), cache)
@@ -227,6 +230,9 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
         bound = constraint.bound(state, chosen, live.active, step + 1, limit)
         done = sentences_done(scores, finished.kth_best[live.active], bound, alpha, beam,
                               stop, finished.best_ended[live.active])
+        leaving = called_off.rows(live.active)
+        if leaving is not None:  # they leave as done sentences do
+            done = done | leaving
         # The step's one read (on a GPU, a wait): how many hypotheses finish, how many
         # sentences go on. Which ones, the device finds without the host.
         finishing_count, kept_count = read_counts(finishing, ~done)
@@ -238,6 +244,33 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
         live, cache = live.advance(scores, origin.gather(1, chosen), tokens.gather(1, chosen),
                                    kept, cache)
     return finished.best()
+
+
+class CalledOff:
+    """The sentences of a batch whose search is called off midway (a server's requests whose
+    client left or whose deadline passed). `cancelled()`, host-side state only, names them (their
+    places in the batch, those named before included); it is asked before each step's one read,
+    and the rows of a named sentence then leave the batch as a finished sentence's do: the
+    others go on to the outputs they would have had (as when a neighbour finishes first).
+    No read and no upload for it: a (B,) mask on the device, made at the first sentence called
+    off and set one sentence at a time (a fill of a constant, no data sent)."""
+
+    def __init__(self, cancelled: Callable[[], Iterable[int]] | None, batch: int, device):
+        self.cancelled, self.batch, self.device = cancelled, batch, device
+        self.named: set[int] = set()
+        self.mask: Tensor | None = None
+
+    def rows(self, active: Tensor) -> Tensor | None:
+        """(B',) True for the rows of sentences `active` (B',) called off; None while none
+        is (a search nobody cancels does nothing more)."""
+        if self.cancelled is None:
+            return None
+        for sentence in set(self.cancelled()) - self.named:
+            if self.mask is None:
+                self.mask = torch.zeros(self.batch, dtype=torch.bool, device=self.device)
+            self.mask[sentence].fill_(True)  # `mask[i] = True` would upload the True
+            self.named.add(sentence)
+        return None if self.mask is None else self.mask[active]
 
 
 def banned_ids(config, banned: tuple[int, ...] | None, device) -> Tensor:
@@ -462,11 +495,13 @@ def draw(log_probs: Tensor, uniforms: Tensor, temperature: float = 1.0, topk: in
 def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature: float = 1.0,
            topk: int = 0, topp: float = 1.0, max_len_a: float = TRANSLATION.max_len_a,
            max_len_b: int = TRANSLATION.max_len_b, banned: tuple[int, ...] | None = None,
-           longest: int | None = None) -> list[list[Hypothesis]]:
+           longest: int | None = None,
+           cancelled: Callable[[], Iterable[int]] | None = None) -> list[list[Hypothesis]]:
     """Ancestral sampling (for back-translation): each sentence's next token drawn by `draw`
     from the model's distribution until EOS or its length limit (where EOS is forced), with
     `uniforms` (B, ≥ longest limit) the random numbers of each sentence (`sentence_uniforms`).
-    Returns one hypothesis per sentence, its score the sum of the model's log-probabilities."""
+    Returns one hypothesis per sentence, its score the sum of the model's log-probabilities.
+    `cancelled`: as `beam_search`'s."""
     config = model.config
     batch, device = src_tokens.shape[0], src_tokens.device
     banned = banned_ids(config, banned, device)
@@ -480,6 +515,7 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
     history = torch.empty((batch, 0), dtype=torch.long, device=device)
     scores = torch.zeros(batch, dtype=torch.float64, device=device)
     finished: list[Tensor] = []  # `finished_rows`, read after the search
+    called_off = CalledOff(cancelled, batch, device)
     for step in range(max(limit_lengths)):
         logits, cache = model.decode_step(tokens, cache)
         log_probs = torch.log_softmax(logits.float(), dim=-1)
@@ -489,14 +525,18 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
         tokens = draw(log_probs, uniforms[active, step], temperature, topk, topp)
         scores += log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).double()
         ends = tokens == config.eos_id
-        ending_count = int(ends.sum())  # the step's one read, as in beam_search
+        called_off_rows = called_off.rows(active)
+        leaving = ends if called_off_rows is None else ends | called_off_rows
+        # The step's one read, as in beam_search: how many end, how many leave.
+        ending_count, leaving_count = read_counts(ends, leaving)
         if ending_count:
             ending = true_positions(ends, ending_count)
             finished.append(finished_rows(active[ending], scores[ending], scores[ending],
                                           history[ending]))
-            if ending_count == len(ends):
+        if leaving_count:
+            if leaving_count == len(ends):
                 break
-            kept = true_positions(~ends, len(ends) - ending_count)
+            kept = true_positions(~leaving, len(ends) - leaving_count)
             active, tokens, history, scores = active[kept], tokens[kept], history[kept], \
                 scores[kept]
             cache = cache.reorder(kept, kept)

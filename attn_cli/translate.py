@@ -23,21 +23,31 @@ from dataclasses import dataclass
 import torch
 
 from .batching import pad_sequences, source_budget, token_budget_batches
+from .config import ALPHA_HIGHEST, MAX_LEN_A_HIGHEST, TEMPERATURE_RANGE
 from .devices import inference_dtype, inference_model, pick_device, search_batch_tokens
 from .ensemble import Ensemble, load_models
 from .errors import AttnError, batch_must_fit
 from .files import STRICT, Utf8Policy
 from .formats import BUFFER_SIZE, MAX_SOURCE_TOKENS, TRANSLATION, Stop
 from .modelfile import LoadedModel
-from .search import Hypothesis, beam_search, output_limits, sample, sentence_uniforms
+from .search import (
+    Hypothesis,
+    beam_search,
+    max_output_length,
+    output_limits,
+    sample,
+    sentence_uniforms,
+)
 
 # Each numeric setting's range: (lowest, highest, whether the lowest itself is allowed); None: no
 # bound. The one check of them, for every caller: the library, `attn serve`'s requests (whose
 # fields have these names) and the commands (whose options Typer bounds
-# first, where it can: not a float's finiteness, nor a lowest value excluded).
-RANGES = {"beam": (1, None, True), "nbest": (1, None, True), "alpha": (0.0, None, True),
-          "max_len_a": (0.0, None, True), "max_len_b": (0, None, True),
-          "topk": (0, None, True), "topp": (0, 1, False), "temperature": (0, None, False),
+# first, where it can: not a float's finiteness, nor a lowest value excluded). The highest
+# alpha, max_len_a and temperature keep the search finite (config.py says why each).
+RANGES = {"beam": (1, None, True), "nbest": (1, None, True),
+          "alpha": (0.0, ALPHA_HIGHEST, True), "max_len_a": (0.0, MAX_LEN_A_HIGHEST, True),
+          "max_len_b": (0, None, True), "topk": (0, None, True), "topp": (0, 1, False),
+          "temperature": (*TEMPERATURE_RANGE, True),
           "batch_tokens": (1, None, True), "buffer_size": (1, None, True),
           "workers": (1, None, True), "worker_threads": (1, None, True)}
 
@@ -275,10 +285,23 @@ class Translator:
             sequence.append(eos)
         return ids
 
+    def search_work(self, ids: list[list[int]]) -> int:
+        """The most output tokens a search of the sentences `ids` (EOS included) may produce,
+        every beam counted: each one's beam (1 sampling) × its longest allowed output. What a
+        server bounds per request, before any search."""
+        width = 1 if self.options.sample else self.options.beam
+        longest = self.longest_output or math.inf
+        return sum(width * min(max_output_length(len(sentence) - 1, self.options.max_len_a,
+                                                 self.options.max_len_b), longest)
+                   for sentence in ids)
+
     def search(self, ids: list[list[int]], constraint=None,
-               line_numbers: list[int] | None = None) -> list[list[Hypothesis]]:
+               line_numbers: list[int] | None = None, cancelled=None) -> list[list[Hypothesis]]:
         """Hypotheses of each sentence `ids`; sampling draws a sentence's random numbers from
-        the seed and its `line_numbers` entry (default: its place in `ids`)."""
+        the seed and its `line_numbers` entry (default: its place in `ids`). `cancelled()`, if
+        given, names the sentences (places in `ids`) whose search is called off: asked before
+        each step, each named one leaves the batch then (`search.beam_search`), its hypotheses
+        meaningless."""
         src = pad_sequences(ids, self.config.pad_id).to(self.device)
         options = self.options
         with batch_must_fit(f"search batches of {options.batch_tokens} source tokens × beam",
@@ -291,11 +314,11 @@ class Translator:
                                              int(limits.max()))
                 return sample(self.model, src, uniforms, options.temperature, options.topk,
                               options.topp, options.max_len_a, options.max_len_b,
-                              longest=self.longest_output)
+                              longest=self.longest_output, cancelled=cancelled)
             return beam_search(self.model, src, beam=options.beam, alpha=options.alpha,
                                max_len_a=options.max_len_a, max_len_b=options.max_len_b,
                                nbest=options.nbest, longest=self.longest_output,
-                               constraint=constraint, stop=options.stop)
+                               constraint=constraint, stop=options.stop, cancelled=cancelled)
 
     def translate_window(self, lines: list[str], first_line: int) -> list[list[Hypothesis]]:
         """Hypotheses for every line, in input order; an empty line gets [EMPTY_LINE]."""

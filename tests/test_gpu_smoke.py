@@ -53,7 +53,7 @@ def test_self_test_from_another_directory(tmp_path):
     assert found["profile"]["gpu_busy_ms"] == 1.0
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_several_gpu_stages_on_gloo_with_a_mocked_count(tmp_path):
     """Stages 2, 5 and 6 with --device cpu and ATTN_SMOKE_GPUS=2, attn not installed: 2 gloo
     processes train the weights of 1 (and of a 2-process run resumed on 1), a killed rank ends

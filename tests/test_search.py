@@ -495,3 +495,62 @@ def test_bf16_search_runs_past_the_sinusoid_table(device):
     past = model.positions(6, 14)
     assert past.dtype == torch.bfloat16 and past.device.type == device
     assert torch.equal(past, sinusoidal_positions(20, config.d_model)[6:].to(past))
+
+
+# ------------------------------------------------------------------------------ calling off
+
+
+class CallingOff:
+    """`cancelled` for a search: the sentences `named`, from the `after`-th question on (one
+    question a step), each question counted."""
+
+    def __init__(self, named: list[int], after: int):
+        self.named, self.after, self.asked = named, after, 0
+
+    def __call__(self) -> list[int]:
+        self.asked += 1
+        return self.named if self.asked > self.after else []
+
+
+@pytest.mark.parametrize("beam, nbest", [(1, 1), (4, 1), (4, 3), ("sample", 1)])
+def test_sentences_called_off_leave_and_the_others_find_the_same(beam, nbest):
+    """Two of 8 sentences called off at the 3rd step: from then on the steps hold the other
+    six only, which end with the same hypotheses as in the search nobody called off (the same
+    tokens; the scores as close as a sentence's alone, test_batched_decoding_equals_one_by_one:
+    a float32 matmul's last bits follow its row count); every step still reads once and uploads
+    nothing (the calls are host state)."""
+    generator = torch.Generator().manual_seed(9)
+    sentences = [torch.randint(4, 40, (n,), generator=generator).tolist() + [3]
+                 for n in (3, 9, 1, 6, 12, 4, 7, 2)]
+    width = max(map(len, sentences))
+    batch = torch.tensor([s + [0] * (width - len(s)) for s in sentences])
+
+    def search(cancelled=None):
+        syncs = HostSyncs()
+        model = CountedSteps(syncs)
+        rows = []
+        step = model.decode_step
+        model.decode_step = lambda tokens, cache: (rows.append(len(tokens)), step(tokens,
+                                                                                cache))[1]
+        with syncs:
+            if beam == "sample":
+                found = sample(model, batch, sentence_uniforms(1, list(range(8)), 30),
+                               max_len_b=10, temperature=2.0, cancelled=cancelled)
+            else:
+                found = beam_search(model, batch, beam=beam, nbest=nbest, max_len_b=10,
+                                    stop="limit", cancelled=cancelled)
+        *steps, last = model.per_step()
+        assert steps == [(1, 0)] * len(steps) and last in ((2, 0), (1, 0))  # (1, 0): none found
+        return found, rows
+
+    untouched, _ = search()
+    calling_off = CallingOff([5, 1], after=2)
+    found, rows = search(calling_off)
+    kept = [0, 2, 3, 4, 6, 7]
+    for sentence in kept:
+        assert [h.tokens for h in found[sentence]] == [h.tokens for h in untouched[sentence]]
+        assert [h.score for h in found[sentence]] == pytest.approx(
+            [h.score for h in untouched[sentence]], abs=1e-4)
+    width_of = 1 if beam in (1, "sample") else beam
+    assert rows[3] <= width_of * 6 and calling_off.asked == len(rows)
+    assert search(CallingOff(list(range(8)), after=0))[1] == rows[:1]  # all off: one step

@@ -94,9 +94,10 @@ def test_decode_sample_option(trained, corpus):
     assert_clean_error(run_attn("decode", "-m", model, "--topk", "5", stdin=stdin), "--sample")
     assert_clean_error(run_attn(*common, "--topp", "0", stdin=stdin), "--topp must be above 0")
     assert_clean_error(run_attn(*common, "--temperature", "0", stdin=stdin),
-                       "--temperature must be above 0")
-    assert_clean_error(run_attn(*common, "--max-len-a", "inf", stdin=stdin),
-                       "--max-len-a must be a finite number")
+                       "--temperature must be at least 0.001")
+    for beyond in ("inf", "100000"):  # the search's work bound: Typer's, before anything loads
+        assert_clean_error(run_attn(*common, "--max-len-a", beyond, stdin=stdin),
+                           "--max-len-a", "less than or equal to 10")
 
 
 def test_decode_nbest_format(trained):
@@ -204,7 +205,11 @@ def test_decode_options_refuse_sampling_options_without_sample():
     ({"topk": -1, "sample": True}, "topk must be at least 0"),
     ({"topp": 0.0, "sample": True}, "topp must be above 0"),
     ({"topp": 1.5, "sample": True}, "topp must be at most 1"),
-    ({"temperature": 0.0, "sample": True}, "temperature must be above 0"),
+    ({"temperature": 0.0, "sample": True}, "temperature must be at least 0.001"),
+    ({"temperature": 5e-324, "sample": True}, "temperature must be at least 0.001"),
+    ({"temperature": 1e308, "sample": True}, "temperature must be at most 1000.0"),
+    ({"alpha": 1e308}, "alpha must be at most 10.0"),
+    ({"max_len_a": 1e20}, "max_len_a must be at most 10.0"),
     ({"batch_tokens": 0}, "batch_tokens must be at least 1"),
     ({"workers": 0}, "workers must be at least 1"),
 ])
@@ -217,6 +222,7 @@ def test_decode_options_check_each_range_naming_the_field(changes, message):
     assert f"{error.value.field} {error.value.rule}" == message
     assert str(error.value) == "--" + message.replace("_", "-")
     assert DecodeOptions(topp=1.0, temperature=1.0, max_len_a=0.0, max_len_b=0, seed=-5)
+    assert DecodeOptions(alpha=10.0, max_len_a=10.0, sample=True, temperature=1e-3)  # inclusive
 
 
 def test_a_lines_outputs_are_always_nbest_as_decode_prints_them(trained):

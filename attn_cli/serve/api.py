@@ -5,6 +5,10 @@ Every refusal of a request is a `Problem` (a 4xx status and a message for the cl
 here, except the ranges of the search settings, which `translate.DecodeOptions` checks for every
 caller (the server answers its AttnError with 422). No HTTP, no torch, no sockets: server.py
 reads the bodies and runs the search; tests/serve/test_api.py tests these without a server.
+What the client sends is read so that no value of it reaches the search unchecked: JSON without
+NaN or infinities, integers of at most 19 digits, nesting as deep as the parser goes (400), each
+field of its type (422) and range (422: DecodeOptions'), and the request's work within
+--max-request-tokens (422; LibreTranslate's endpoint answers each 400, as LibreTranslate does).
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ SEARCH_FIELDS = {"beam": int, "nbest": int, "alpha": float, "max_len_a": float,
                  "max_len_b": int, "stop": str, "sample": bool, "topk": int, "topp": float,
                  "temperature": float, "seed": int, "raw": bool}
 V1_FIELDS = {"text", "model", "scores", "api_key", *SEARCH_FIELDS}
+# Integers in a body longer than this are refused: every integer a request may send (a beam, a
+# seed) fits in 64 bits, and Python refuses to read more than 4,300 digits anyway (an error
+# that was a 500).
+MAX_INTEGER_DIGITS = 19
+
+
 class Problem(Exception):
     """An answer other than 200: its status, a message for the client, extra headers."""
 
@@ -48,16 +58,46 @@ class Problem(Exception):
 
 
 def json_fields(body: bytes) -> dict:
-    """A JSON body's fields (/v1/translate's)."""
+    """A JSON body's fields (/v1/translate's): standard JSON (no NaN, no Infinity, numbers a
+    float holds), integers of at most MAX_INTEGER_DIGITS, nesting no deeper than the parser's
+    recursion allows (about 1,000 levels; any nesting where a field wants a string or a number
+    is that field's 422)."""
     text = _text(body)
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_int=_json_integer, parse_float=_json_float,
+                           parse_constant=_json_constant)
     except json.JSONDecodeError as error:
         raise Problem(400, f"the body is not valid JSON: {error.msg} (line {error.lineno}, "
                       f"column {error.colno})") from None
+    except RecursionError:  # the parser recurses once per level
+        raise Problem(400, "the body nests arrays or objects too deeply to be read") from None
     if not isinstance(value, dict):
         raise Problem(422, f"the body must be a JSON object, not {_json_type(value)}")
     return value
+
+
+def _json_integer(literal: str) -> int:
+    digits = len(literal.lstrip("-"))
+    if digits > MAX_INTEGER_DIGITS:
+        raise Problem(400, f"the body holds an integer of {digits} digits; this server reads "
+                      f"at most {MAX_INTEGER_DIGITS}")
+    return int(literal)
+
+
+def _json_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise Problem(400, f"the body holds the number {_shortened(literal)}, too large for a "
+                      "float")
+    return value
+
+
+def _json_constant(name: str):
+    raise Problem(400, f"the body holds {name}, which is not JSON: send a finite number")
+
+
+def _shortened(literal: str) -> str:
+    return literal if len(literal) <= 20 else f"{literal[:12]}... ({len(literal)} characters)"
 
 
 def libre_fields(content_type: str, body: bytes) -> dict:
@@ -151,6 +191,17 @@ def search_settings(fields: dict, max_beam: int) -> dict:
     return settings
 
 
+def check_work(work: int, limit: int) -> None:
+    """A request's work (`Translator.search_work`: output tokens its search may produce, every
+    beam counted) within the server's --max-request-tokens, before any search."""
+    if work > limit:
+        raise Problem(422, f"this request's search may produce {work:,} output tokens (each "
+                      "line's beam × its longest allowed output, max_len_a × source tokens + "
+                      f"max_len_b), above this server's limit of {limit:,} "
+                      "(--max-request-tokens): send fewer lines, or ask for a smaller beam, "
+                      "max_len_a or max_len_b")
+
+
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
@@ -182,6 +233,8 @@ def v1_request(fields: dict, options: ServeOptions, model_id: str) -> V1Request:
         raise Problem(422, f"unknown field {unknown[0]!r} (fields: "
                       f"{', '.join(sorted(V1_FIELDS - {'api_key'}))})")
     model = fields.get("model")
+    if model is not None and not isinstance(model, str):
+        raise Problem(422, f"model must be a string, not {_json_type(model)}")
     if model is not None and model != model_id:
         raise Problem(404, f"unknown model {model!r}: this server has {model_id!r} "
                       "(GET /v1/models)")
@@ -258,9 +311,9 @@ def libre_request(fields: dict, options: ServeOptions, langs: tuple[str, str] | 
     texts = [q] if isinstance(q, str) else q
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise Problem(400, "Invalid request: q must be a string or a list of strings")
-    try:
+    try:  # int(), as LibreTranslate reads it: "2" and 2.0 are 2
         alternatives = int(fields.get("alternatives", 0))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise Problem(400, "Invalid request: alternatives must be an integer") from None
     if not 0 <= alternatives < options.max_beam:
         raise Problem(400, f"Invalid request: alternatives must be 0 to {options.max_beam - 1}")

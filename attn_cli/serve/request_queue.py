@@ -10,8 +10,10 @@ them rather than one taking it all. A line's output depends only on the line and
 never shows in an answer.
 
 The queue holds at most `capacity` lines: a request that does not fit is refused (`QueueFull`,
-the server's 503) instead of memory growing. A job whose client went away is cancelled
-(`cancel`): its lines still waiting leave the queue unsearched.
+the server's 503) instead of memory growing. A job whose client went away, or whose deadline
+passed, is cancelled (`cancel`): its lines still waiting leave the queue at once, unsearched,
+and its lines in a batch being searched leave that batch at the search's next step (the other
+lines of the batch go on to the outputs they would have had).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ class Job:
     """One request: its lines, the translator with its settings, and what came of them.
     `outputs[i]`: line i's outputs, `Translator.outputs` (nbest (hypothesis, text) pairs),
     filled by the workers; `done(job)` is called once, from a worker thread (or at submission
-    when nothing waits), when every line has its output or the search failed (`error`)."""
+    when nothing waits), when every line has its output or the search failed (`error`); never
+    for a job cancelled."""
 
     lines: list[str]
     translator: Translator
@@ -48,11 +51,27 @@ class Job:
     error: BaseException | None = None
     remaining: int = 0
     arrived: float = 0.0
+    cancelled: bool = False  # set once, under the queue's lock; read by the search unlocked
+    # Each line's source ids, EOS included; None for an empty line (its output needs no search).
+    sources: list = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Encoded as the job is made, before it is queued (SentencePiece: microseconds a line):
+        # its work is known before it costs any (`work`). All lines in one call (a truncation
+        # warning names the request's own line number), the empty ones' ids then dropped.
+        ids = self.translator.encode(self.lines, 1, self.name)
+        self.sources = [line_ids if line.strip() else None
+                        for line, line_ids in zip(self.lines, ids)]
 
     @property
     def settings(self):
         """Lines of jobs with equal settings may share a batch."""
         return self.translator.options
+
+    @property
+    def work(self) -> int:
+        """The most output tokens its search may produce (`Translator.search_work`)."""
+        return self.translator.search_work([ids for ids in self.sources if ids is not None])
 
 
 @dataclass(eq=False)
@@ -72,7 +91,7 @@ class RequestQueue:
         self.capacity, self.window_s = capacity, window_s
         self._lines: deque[_Line] = deque()
         self._changed = threading.Condition()
-        self._searching = 0  # workers searching a batch now
+        self._searching: list[list[_Line]] = []  # the batches being searched now
         self._closing = False
         self._threads = [threading.Thread(target=self._work, name=f"attn-serve-{n}", daemon=True)
                          for n in range(workers)]
@@ -84,38 +103,45 @@ class RequestQueue:
         """Lines waiting for a worker."""
         return len(self._lines)
 
+    @property
+    def searching(self) -> int:
+        """Lines being searched, those of cancelled jobs left out (they leave their batch at its
+        next step)."""
+        with self._changed:
+            return sum(1 for batch in self._searching for line in batch
+                       if not line.job.cancelled)
+
     def submit(self, job: Job) -> None:
         """Queue a job's non-empty lines (an empty line's output is an empty line, at once).
         Raises QueueFull when they do not fit."""
         empty = job.translator.outputs([EMPTY_LINE])
-        job.outputs = [None if line.strip() else empty for line in job.lines]
-        todo = [index for index, output in enumerate(job.outputs) if output is None]
+        job.outputs = [empty if ids is None else None for ids in job.sources]
+        todo = [index for index, ids in enumerate(job.sources) if ids is not None]
         job.remaining, job.arrived = len(todo), time.perf_counter()
         if not todo:
             job.done(job)
             return
+        # Longest first, so that a long request's consecutive lines make batches of like
+        # lengths, as `attn decode` sorts its buffer.
+        lines = sorted((_Line(job, index, job.sources[index]) for index in todo),
+                       key=lambda line: -len(line.ids))
         with self._changed:
             if self._closing:
                 raise QueueFull("the server is stopping")
             if len(self._lines) + len(todo) > self.capacity:
                 raise QueueFull(f"{len(self._lines)} lines are waiting (at most "
                                 f"{self.capacity})")
-        # Encoded outside the lock (SentencePiece: microseconds a line), each line alone so that
-        # a truncation warning names the request's own line number. Longest first, so that a
-        # long request's consecutive lines make batches of like lengths, as `attn decode` sorts
-        # its buffer.
-        lines = [_Line(job, index, job.translator.encode([job.lines[index]], index + 1,
-                                                         job.name)[0]) for index in todo]
-        lines.sort(key=lambda line: -len(line.ids))
-        with self._changed:
             self._lines.extend(lines)
             self._changed.notify_all()
 
     def cancel(self, job: Job) -> None:
-        """Take a job's waiting lines out of the queue unsearched (its client went away). Lines
-        in a batch being searched finish; the job is never done."""
+        """Call a job off (its client went away, or its deadline passed): its waiting lines
+        leave the queue unsearched, now, and its lines in a batch being searched leave it at the
+        search's next step. The job is never done."""
         with self._changed:
+            job.cancelled = True
             self._drop(job)
+            self._changed.notify_all()
 
     def _drop(self, job: Job) -> None:  # the lock held
         self._lines = deque(line for line in self._lines if line.job is not job)
@@ -174,7 +200,7 @@ class RequestQueue:
             budget = settings.source_budget
             alike = sum(1 for line in self._lines if line.job.settings == settings)
             # Idle workers split what waits: two batches side by side beat one twice as big.
-            share = math.ceil(alike / max(1, self.workers - self._searching))
+            share = math.ceil(alike / max(1, self.workers - len(self._searching)))
             batch, longest, kept = [], 0, deque()
             for line in self._lines:
                 room = fits(max(longest, len(line.ids)), len(batch) + 1, budget)
@@ -184,33 +210,38 @@ class RequestQueue:
                 else:
                     kept.append(line)
             self._lines = kept
-            self._searching += 1
+            self._searching.append(batch)
             return batch
 
     def _search(self, batch: list[_Line]) -> None:
         """Search a batch and hand each finished job back; a failure fails the batch's jobs
-        (their other lines leave the queue) and the worker goes on."""
+        (their other lines leave the queue) and the worker goes on. Lines of jobs cancelled
+        meanwhile leave the search at its next step (`called_off`); nothing is handed back
+        for them."""
         if not batch:
             return
         translator = batch[0].job.translator
         finished, failure = [], None
         try:
             found = translator.search([line.ids for line in batch], None,
-                                      [line.index + 1 for line in batch])
-            outputs = [translator.outputs(hypotheses) for hypotheses in found]
+                                      [line.index + 1 for line in batch], called_off(batch))
+            outputs = [None if line.job.cancelled else translator.outputs(hypotheses)
+                       for line, hypotheses in zip(batch, found)]
         except Exception as error:  # the jobs answer it; the server goes on
             failure = error
         with self._changed:
-            self._searching -= 1
+            self._searching.remove(batch)
             if failure is not None:
                 for job in {line.job: None for line in batch}:
-                    if job.error is None:
+                    if job.error is None and not job.cancelled:
                         job.error = failure
                         self._drop(job)  # its other lines are not searched
                         finished.append(job)
             else:
                 for line, output in zip(batch, outputs):
                     job = line.job
+                    if job.cancelled:  # its output (if any) means nothing, and no one waits
+                        continue
                     job.outputs[line.index] = output
                     job.remaining -= 1
                     if job.remaining == 0 and job.error is None:
@@ -221,3 +252,16 @@ class RequestQueue:
                 job.done(job)
             except Exception as error:  # one answer lost, not the worker
                 translator.warn(f"serve: {job.name}: could not hand back its answer: {error}")
+
+
+def called_off(batch: list[_Line]) -> Callable[[], list[int]]:
+    """What the search asks before each step (`search.CalledOff`): the places in `batch` of
+    the lines whose job is cancelled. Plain attribute reads, no lock: a cancellation seen a
+    step late costs a step."""
+    jobs = list({line.job: None for line in batch})
+
+    def cancelled() -> list[int]:
+        if not any(job.cancelled for job in jobs):  # the usual answer, in a few jobs' reads
+            return []
+        return [place for place, line in enumerate(batch) if line.job.cancelled]
+    return cancelled

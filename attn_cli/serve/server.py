@@ -11,11 +11,12 @@ Endpoints (JSON in and out; errors are `{"error": "..."}` with a 4xx/5xx status)
   `POST /translate` (`q` a string or a list, `source`, `target`, `format`, `alternatives`,
   `api_key`; JSON or a form) → `{"translatedText"}`, `GET /languages`, `GET /frontend/settings`.
 
-The HTTP side runs on uvicorn's event loop; translation runs in `request_queue.RequestQueue`'s
-search workers, which batch the lines of requests arriving together. The server listens before
-the model is loaded (`/health` says when it is ready), answers SIGTERM by refusing new
-connections, finishing the requests it has, and exiting 0, and logs one line per request on
-stderr (id, method, path, status, lines, milliseconds). stdout stays empty.
+The HTTP side runs on uvicorn's event loop, behind http.py's connection limits (the time and size
+of what a client sends, the number of connections); translation runs in
+`request_queue.RequestQueue`'s search workers, which batch the lines of requests arriving together.
+The server listens before the model is loaded (`/health` says when it is ready), answers SIGTERM by
+refusing new connections, finishing the requests it has, and exiting 0, and logs one line per
+request on stderr (id, method, path, status, lines, milliseconds). stdout stays empty.
 
 What a request may ask and what it is answered are api.py's pure functions. Here: the `Service`
 (the models, the queue, the search of a request's lines), the endpoints that read a request and
@@ -99,8 +100,10 @@ class Service:
     async def translate(self, lines: list[str], settings: dict, client_gone,
                         name: str = "request"):
         """The job of `lines` searched with `settings` (DecodeOptions fields), once every line
-        has its output. `client_gone()` is awaited alongside: if it returns first, the job is
-        cancelled (499). `name` names the request in warnings."""
+        has its output: refused (422) before any search if its work is over
+        --max-request-tokens, cancelled if its client goes away first (`client_gone()`
+        returns: 499) or --request-timeout passes (504). `name` names the request in
+        warnings."""
         if self.translator is None:
             raise Problem(503, "the model is still loading (GET /health says when it is ready)",
                           {"Retry-After": "1"})
@@ -120,23 +123,39 @@ class Service:
             loop.call_soon_threadsafe(_resolve, answered, job)
 
         job = Job(lines, translator, done, name=name)
+        api.check_work(job.work, self.options.max_request_tokens)
         try:
             self.queue.submit(job)
         except QueueFull as error:
             raise Problem(503, f"the server is busy ({error}): try again shortly",
                           {"Retry-After": "1"}) from None
-        gone = asyncio.ensure_future(client_gone())
-        try:
-            await asyncio.wait({answered, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not answered.done():
-            self.queue.cancel(job)
-            raise Problem(499, "the client went away")
+        await self._answered(job, answered, client_gone)
         if job.error is not None:
             raise Problem(500, f"the search failed: {job.error}")
         self.lines_translated += len(lines)
         return job
+
+    async def _answered(self, job, answered, client_gone) -> None:
+        """Until `answered` is; if the client goes away or the deadline passes first, or this
+        task is cancelled, the job is called off (`RequestQueue.cancel`: its lines stop costing
+        within a search step) and the request refused."""
+        gone = asyncio.ensure_future(client_gone())
+        timeout = self.options.request_timeout
+        try:
+            await asyncio.wait({answered, gone}, timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+            client_left = gone.done()
+        finally:
+            gone.cancel()
+            if not answered.done():
+                self.queue.cancel(job)
+        if answered.done():
+            return
+        if client_left:
+            raise Problem(499, "the client went away")
+        raise Problem(504, f"no answer within {timeout:g} s, this server's limit for a request "
+                      "(--request-timeout): send fewer lines, or ask for a smaller beam or "
+                      "max_len_b")
 
     def describe(self) -> dict:
         """The model as /v1/models lists it."""
@@ -155,7 +174,9 @@ class Service:
                 "limits": {"max_lines": self.options.max_lines,
                            "max_line_chars": self.options.max_line_chars,
                            "max_body_bytes": self.options.max_body,
-                           "max_beam": self.options.max_beam}}
+                           "max_beam": self.options.max_beam,
+                           "max_request_tokens": self.options.max_request_tokens,
+                           "request_timeout_s": self.options.request_timeout}}
 
 
 def _resolve(future, job) -> None:
@@ -174,7 +195,8 @@ async def health(request):
         return answer({"status": "loading", "model": service.model_id}, 503,
                       {"Retry-After": "1"})
     return answer({"status": "ok", "model": service.model_id,
-                   "queued_lines": service.queue.waiting})
+                   "queued_lines": service.queue.waiting,
+                   "searching_lines": service.queue.searching})
 
 
 async def models(request):
@@ -196,10 +218,17 @@ async def translate_v1(request):
 async def translate_libre(request):
     service = request.app.state.service
     body = await read_body(request, service.options.max_body)
-    fields = api.libre_fields(request.headers.get("content-type", ""), body)
-    api.check_key(service.options.api_key, request.headers, fields)
-    asked = api.libre_request(fields, service.options, service.langs, service.default_beam)
-    job = await _search(request, asked.lines, asked.settings)
+    try:
+        fields = api.libre_fields(request.headers.get("content-type", ""), body)
+        api.check_key(service.options.api_key, request.headers, fields)
+        asked = api.libre_request(fields, service.options, service.langs, service.default_beam)
+        job = await _search(request, asked.lines, asked.settings)
+    except Problem as problem:
+        # LibreTranslate answers every bad value 400 (its clients look for that), where
+        # /v1/translate tells a body that does not parse (400) from a value out of bounds (422).
+        if problem.status == 422:
+            raise Problem(400, problem.message, problem.headers) from None
+        raise
     return answer(api.libre_answer(asked, job.outputs))
 
 
@@ -261,18 +290,24 @@ def answer(payload, status: int = 200, headers: dict | None = None):
 
 
 async def read_body(request, limit: int) -> bytes:
-    """The request body, refused (413) past `limit` bytes, before or while it arrives."""
+    """The request body, refused (413) past `limit` bytes, before or while it arrives; 499
+    if the client goes away first (or http.py's guard closes it: a slow body)."""
+    from starlette.requests import ClientDisconnect
+
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise Problem(413, f"the body is {declared} bytes; this server takes at most {limit} "
                       "(--max-body)")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise Problem(413, f"the body is over {limit} bytes, this server's limit "
-                          "(--max-body)")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise Problem(413, f"the body is over {limit} bytes, this server's limit "
+                              "(--max-body)")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise Problem(499, "the client went away") from None
     return b"".join(chunks)
 
 
@@ -344,17 +379,25 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def serve(model_paths: list[Path], options: ServeOptions, load, log) -> None:
     """Serve until SIGTERM or Ctrl-C. `load()` makes the Translator (in the background)."""
     try:
+        import httptools  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn
     except ImportError:
         raise AttnError(f"attn serve needs its web server: {EXTRA}") from None
+    from .http import LINGER, Connections, allow_open_files
 
     service = Service(model_paths, options, load, log)
+    allow_open_files(options.max_connections)
     sock = listening_socket(options.host, options.port)
+    # uvicorn's HTTP protocol behind http.py's guard, which holds the connection limits (the
+    # count, the timeouts, the header size). uvicorn's own keep-alive timeout only backs the
+    # guard's up: it outlasts the guard's idle timeout and the linger of a refused connection.
+    connections = Connections(options, log)
     server = uvicorn.Server(uvicorn.Config(
-        build_app(service), log_config=None, access_log=False, lifespan="off",
-        limit_concurrency=options.max_connections, timeout_graceful_shutdown=None,
-        server_header=False))
+        connections.watch(build_app(service)), http=connections.protocol, ws="none",
+        interface="asgi3", log_config=None, access_log=False, lifespan="off",
+        limit_concurrency=None, timeout_keep_alive=options.idle_timeout + LINGER + 1,
+        timeout_graceful_shutdown=None, server_header=False))
     tune_process()
     # uvicorn catches SIGTERM and Ctrl-C for its graceful stop and raises the signal again once
     # stopped: with these handlers in place that second one does nothing, and a stop asked for

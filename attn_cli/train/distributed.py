@@ -211,11 +211,17 @@ def collective_failed(error: BaseException) -> bool:
     return isinstance(error, getattr(dist, "DistError", ())) or "gloo" in str(error)
 
 
+class EveryRankStops(AttnError):
+    """An error every rank raises at the same point (told to all by a collective): each is
+    alive to wait for the others before the process group goes down."""
+
+
 def stop_processes(processes: Processes, finished: bool = False) -> None:
     """The process group torn down. After a run that `finished` normally every process first
     waits for the others (rank 0 saves last): gloo torn down on one rank while a peer still
     uses the group aborted it now and then ("terminate called without an active exception",
-    SIGABRT at exit). After an error, no wait: a peer may be gone."""
+    SIGABRT at exit), so after an EveryRankStops too. After another error, no wait: a peer may
+    be gone."""
     if processes.distributed:
         import torch.distributed as dist
 
@@ -303,7 +309,7 @@ def same_on_every_rank(processes: Processes, prepare: Callable, facts: Callable)
     dist.all_gather_object(reports, report)
     problem = rank_disagreement(reports)
     if problem:
-        raise AttnError(problem)
+        raise EveryRankStops(problem)
     return prepared
 
 

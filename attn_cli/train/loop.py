@@ -40,6 +40,7 @@ from ..config import Recipe, TrainOptions, parse_interval
 from ..devices import autocast, warn_if_bf16_is_emulated
 from ..errors import AttnError, TrainingDiverged, batch_must_fit
 from .distributed import (
+    EveryRankStops,
     Processes,
     all_reduce_sum,
     choose_cudnn_attention,
@@ -64,6 +65,9 @@ def train(options: TrainOptions, display: Display | None = None) -> Path | None:
                       display if display is not None and processes.is_main else _Quiet())
         finished = True
         return last
+    except EveryRankStops:
+        finished = True  # every rank stops here: each waits for the others, then tears down
+        raise
     except RuntimeError as error:
         if not (processes.distributed and collective_failed(error)):
             raise

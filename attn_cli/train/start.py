@@ -33,7 +33,14 @@ from ..errors import AttnError
 from ..files import file_sha256
 from ..model import Transformer
 from ..modelfile import LoadedModel, init_config, load_model
-from .distributed import Processes, from_main, once_per_node, one_line, same_on_every_rank
+from .distributed import (
+    EveryRankStops,
+    Processes,
+    from_main,
+    once_per_node,
+    one_line,
+    same_on_every_rank,
+)
 
 
 @dataclass
@@ -66,7 +73,7 @@ def lock_run_directory(run_dir: Path, processes: Processes) -> checkpoints.RunLo
             refused = f"cannot make or lock the run directory -o {run_dir}: {one_line(error)}"
     refused = from_main(refused, processes)
     if refused:
-        raise AttnError(refused)
+        raise EveryRankStops(refused)
     return lock
 
 
@@ -254,7 +261,7 @@ def resume_step(run_dir: Path, resume: bool, processes: Processes) -> int | None
                                  f"{one_line(error)}"}
     decision = from_main(decision, processes)
     if "error" in decision:
-        raise AttnError(decision["error"])
+        raise EveryRankStops(decision["error"])
     return decision.get("step")
 
 

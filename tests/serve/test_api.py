@@ -73,6 +73,28 @@ def test_json_fields_refusals(body, status, fragment):
     assert got == status and fragment in message
 
 
+@pytest.mark.parametrize("body, message", [
+    (b'{"alpha": NaN}', "the body holds NaN, which is not JSON: send a finite number"),
+    (b'{"alpha": -Infinity}', "the body holds -Infinity, which is not JSON: send a finite "
+                              "number"),
+    (b'{"alpha": 1e400}', "the body holds the number 1e400, too large for a float"),
+    (b'{"alpha": -' + b"9" * 400 + b'.0}', "the body holds the number -99999999999... (403 "
+                                            "characters), too large for a float"),
+    (b'{"seed": ' + b"7" * 5000 + b"}", "the body holds an integer of 5000 digits; this "
+                                          "server reads at most 19"),
+    (b'{"seed": -12345678901234567890}', "the body holds an integer of 20 digits; this server "
+                                        "reads at most 19"),
+    (b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     "the body nests arrays or objects too deeply to be read"),
+])
+def test_json_fields_take_standard_json_only_numbers_a_float_holds_and_bounded_integers(
+        body, message):
+    """Each of these was a 500 (a traceback's message), or a value no setting should see."""
+    assert refused(api.json_fields, body) == (400, message)
+    assert api.json_fields(b'{"seed": -1234567890123456789, "alpha": 5e-324, "x": 1e308}') == {
+        "seed": -1234567890123456789, "alpha": 5e-324, "x": 1e308}  # within the bounds
+
+
 def test_libre_fields_a_form_or_json():
     form = "application/x-www-form-urlencoded; charset=utf-8"
     assert api.libre_fields(form, b"q=a&q=b&source=en&target=de&source=fr") == {
@@ -155,6 +177,17 @@ def test_every_search_field_is_a_decode_option_whose_range_decode_options_check(
     assert numeric - {"seed"} <= set(RANGES)
 
 
+def test_check_work_names_the_limit_and_what_to_lower():
+    api.check_work(1000, 1000)
+    status, message = refused(api.check_work, 131_104, 100_000)
+    assert status == 422
+    assert message == ("this request's search may produce 131,104 output tokens (each line's "
+                       "beam × its longest allowed output, max_len_a × source tokens + "
+                       "max_len_b), above this server's limit of 100,000 "
+                       "(--max-request-tokens): send fewer lines, or ask for a smaller beam, "
+                       "max_len_a or max_len_b")
+
+
 # ------------------------------------------------------------------------ POST /v1/translate
 
 
@@ -175,6 +208,7 @@ def test_v1_request():
     ({"text": {"a": 1}}, 422, "text must be a list of strings, not an object"),
     ({"text": [1]}, 422, "text[0] must be a string, not a number"),
     ({"text": ["a"], "scores": "yes"}, 422, "scores must be true or false, not a string"),
+    ({"text": ["a"], "model": ["m"]}, 422, "model must be a string, not an array"),
     ({"text": ["a"], "beam": 99}, 422, "beam 99 is above this server's limit of 8 (--max-beam)"),
 ])
 def test_v1_request_refusals(fields, status, message):
@@ -231,6 +265,16 @@ def test_libre_request():
     ({"q": "a", "source": "en", "target": "de", "alternatives": 8},
      "Invalid request: alternatives must be 0 to 7"),
     ({"q": "a", "source": "en", "target": "de", "alternatives": -1},
+     "Invalid request: alternatives must be 0 to 7"),
+    ({"q": "a", "source": "en", "target": "de", "alternatives": "Infinity"},
+     "Invalid request: alternatives must be an integer"),
+    ({"q": "a", "source": "en", "target": "de", "alternatives": "1e400"},
+     "Invalid request: alternatives must be an integer"),
+    ({"q": "a", "source": "en", "target": "de", "alternatives": math.inf},
+     "Invalid request: alternatives must be an integer"),
+    ({"q": "a", "source": "en", "target": "de", "alternatives": "9" * 5000},
+     "Invalid request: alternatives must be an integer"),
+    ({"q": "a", "source": "en", "target": "de", "alternatives": 1e20},
      "Invalid request: alternatives must be 0 to 7"),
 ])
 def test_libre_request_refusals(fields, message):

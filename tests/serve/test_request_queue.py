@@ -1,6 +1,8 @@
 """The queue behind `attn serve` (attn_cli/serve/request_queue.py): lines of different requests
 share batches without changing any output, settings never mix in a batch, the capacity is a hard
-bound, cancelled requests cost nothing, and a failing search fails its requests only."""
+bound, cancelled requests cost nothing (waiting or midway through a batch, whose other lines get
+their outputs), a request's work is known before it is queued, and a failing search fails its
+requests only."""
 
 from __future__ import annotations
 
@@ -101,3 +103,45 @@ def test_a_failing_search_fails_its_requests_and_the_workers_go_on(translator):
         queue.close()
     assert isinstance(failing.error, RuntimeError)
     assert fine.error is None and texts(fine) == translator.translate(lines)
+
+
+def test_a_job_s_work_is_its_lines_beams_times_their_longest_outputs(translator):
+    job = Job(["", "A dog runs.", "Two men talk."], translator, None)
+    assert job.sources[0] is None
+    lengths = [len(ids) - 1 for ids in job.sources[1:]]  # EOS left out, as the limit counts
+    assert job.work == sum(4 * (length + 50) for length in lengths)  # beam 4, a·|x| + b
+    sampled = Job(job.lines, translator.with_options(sample=True, max_len_a=2.0), None)
+    assert sampled.work == sum(2 * length + 50 for length in lengths)
+
+
+def test_a_job_cancelled_midway_leaves_its_batch_and_the_others_get_their_outputs(translator):
+    """Two requests in one batch; one is cancelled at the search's third step: it is never
+    done, and the other's outputs are what it gets alone."""
+    lines = bundled_lines("val.en", 8)
+    queue = RequestQueue(workers=0, capacity=100)  # the test takes and searches the batch
+    searching = translator.with_options()
+    done = []
+    kept, gone = (Job(text, searching, done.append) for text in (lines[:4], lines[4:]))
+    search = searching.search
+
+    def cancelling_at_the_third_step(ids, constraint, line_numbers, cancelled):
+        steps = iter(range(1_000_000))
+
+        def asked() -> list[int]:
+            if next(steps) == 2:
+                queue.cancel(gone)
+            return cancelled()
+        found = search(ids, constraint, line_numbers, asked)
+        assert sorted(asked()) == sorted(place for place, line in enumerate(batch)
+                                         if line.job is gone)
+        return found
+
+    searching.search = cancelling_at_the_third_step
+    queue.submit(kept)
+    queue.submit(gone)
+    batch = queue._take(0, 0.0)
+    assert {line.job for line in batch} == {kept, gone} and queue.waiting == 0
+    assert queue.searching == 8
+    queue._search(batch)
+    assert done == [kept] and gone.cancelled and queue.searching == 0
+    assert texts(kept) == translator.translate(lines[:4])

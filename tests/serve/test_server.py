@@ -1,8 +1,10 @@
 """`attn serve` (attn_cli/serve/server.py): the real server started on a free port and talked to
-over HTTP — its answers against `attn decode`'s, LibreTranslate's client library, bad requests, the
-limits, the API key, a full queue, a client that goes away, SIGTERM, and a load of 10,000
-requests. The server process and the clients are tests/serve/client.py's (benchmarks/serve_load.py
-measures with them too); what each request is answered, field by field, is test_api.py's."""
+over HTTP — its answers against `attn decode`'s, LibreTranslate's client library, bad requests
+(every field fed each wrong kind and edge), the limits, the API key, a full queue, clients that go
+away and requests past their deadline (the server idle again within a second), SIGTERM, and a
+load of 10,000 requests. The server process and the clients are tests/serve/client.py's
+(benchmarks/serve_load.py measures with them too); what each request is answered, field by
+field, is test_api.py's."""
 
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ import subprocess
 import sys
 import time
 import urllib.error
+from pathlib import Path
 
 import pytest
+
+from attn_cli.serve.api import V1_FIELDS
 
 from ..conftest import assert_clean_error, run_attn
 from .client import Connection, Server, request, run_clients
@@ -63,7 +68,8 @@ def server(trained):
     """One server for the tests that do not need special settings."""
     model, _ = trained
     process = Server(serve_command(model, "--langs", "en-de", "--max-lines", 64,
-                                  "--max-line-chars", 300, "--max-body", 20000))
+                                  "--max-line-chars", 300, "--max-body", 20000,
+                                  "--max-request-tokens", 100_000))
     process.wait_ready()
     yield process
     assert process.stop() == 0
@@ -160,7 +166,21 @@ def test_libretranslate_client_library_works_unchanged(server, trained, lines):
     ("/v1/translate", b'{"text": ["a"], "beam": true}', None, 422, "beam must be an integer"),
     ("/v1/translate", b'{"text": ["a"], "beam": 0}', None, 422, "beam must be at least 1"),
     ("/v1/translate", b'{"text": ["a"], "beam": 999}', None, 422, "--max-beam"),
-    ("/v1/translate", b'{"text": ["a"], "alpha": NaN}', None, 422, "finite"),
+    ("/v1/translate", b'{"text": ["a"], "alpha": NaN}', None, 400, "NaN, which is not JSON"),
+    ("/v1/translate", b'{"text": ["a"], "alpha": 1e308, "scores": true}', None, 422,
+     "alpha must be at most 10.0"),
+    ("/v1/translate", b'{"text": ["a"], "beam": 2, "stop": "limit", "max_len_a": 100000}', None,
+     422, "max_len_a must be at most 10.0"),
+    ("/v1/translate", b'{"text": ["a"], "sample": true, "temperature": 5e-324}', None, 422,
+     "temperature must be at least 0.001"),
+    ("/v1/translate", b'{"text": ["a"], "beam": 32, "max_len_b": 4096}', None, 422,
+     "above this server's limit of 100,000 (--max-request-tokens)"),
+    ("/translate", json.dumps({"q": "\n".join(["a b c"] * 64), "source": "en", "target": "de",
+                               "alternatives": 31}).encode(), None, 400, "--max-request-tokens"),
+    ("/translate", b'{"q": "a", "source": "en", "target": "de", "alternatives": Infinity}', None,
+     400, "Infinity, which is not JSON"),
+    ("/translate", b"q=a&source=en&target=de&alternatives=1e400",
+     {"Content-Type": "application/x-www-form-urlencoded"}, 400, "alternatives must be an"),
     ("/v1/translate", b'{"text": ["a"], "stop": "soon"}', None, 422, "stop must be one of"),
     ("/v1/translate", b'{"text": ["a"], "sample": true, "nbest": 2}', None, 422, "--nbest"),
     ("/v1/translate", b'{"text": ["a"], "model": "other"}', None, 404, "unknown model 'other'"),
@@ -198,6 +218,159 @@ def test_a_client_that_goes_away_disturbs_no_one(server, trained, lines):
         assert time.monotonic() < deadline, server.log[-10:]
         time.sleep(0.05)
     assert call(server, "GET", "/health")[0] == 200
+
+
+# ---------------------------------------------------------------- what a hostile client sends
+
+# A value of each wrong kind and edge, as the bytes of a JSON value.
+EDGES = {"NaN": b"NaN", "Infinity": b"Infinity", "-Infinity": b"-Infinity", "1e308": b"1e308",
+         "-1e308": b"-1e308", "5e-324": b"5e-324", "1e400": b"1e400", "1e20": b"1e20",
+         "5,000 digits": b"9" * 5000, "2**63": b"9223372036854775808", "-1": b"-1",
+         "string": b'"x"', "true": b"true", "null": b"null", "array": b"[1]",
+         "object": b'{"a": 1}', "nested 9,000 deep": b"[" * 9000 + b"]" * 9000}
+# What no field can take: refused as the body is read (400), whatever the field.
+UNREADABLE = {"NaN", "Infinity", "-Infinity", "1e400", "5,000 digits"}
+# A field's companions in the body: the settings that make its value count.
+COMPANIONS = {"alpha": b', "scores": true', **{name: b', "sample": true' for name in
+                                                ("topk", "topp", "temperature", "seed")}}
+# The (field, edge) pairs that are valid requests (200); every other pair is a 4xx.
+V1_ACCEPTED = {("text", "string"), ("model", "null"), ("scores", "true"), ("sample", "true"),
+               ("raw", "true"), ("alpha", "5e-324"), ("max_len_a", "5e-324"),
+               ("topp", "5e-324"), ("topk", "2**63"), ("seed", "-1"), ("seed", "2**63")}
+LIBRE_ACCEPTED = {("q", "string"), ("alternatives", "true"), ("alternatives", "5e-324")}
+
+
+def test_every_field_s_wrong_kinds_and_edges_get_a_4xx_json_error_never_a_500(server):
+    """Every field of /v1/translate and of LibreTranslate's /translate fed each edge: a valid
+    value is answered, anything else is a 4xx with a JSON error (400 for what is not JSON a
+    float or a 64-bit integer holds, or nests too deep; LibreTranslate's endpoint 400 for all),
+    each within seconds, on one connection. (`api_key` is read only by a server with a key:
+    test_api_key.)"""
+    v1_fields = sorted(V1_FIELDS - {"api_key"})
+    cases = [("/v1/translate", field, name, b'{"text": ["A dog runs."]' + COMPANIONS.get(
+        field, b"") + b', "' + field.encode() + b'": ' + value + b"}")
+             for field in v1_fields for name, value in EDGES.items()]
+    libre = {"q": b'"A dog runs."', "source": b'"en"', "target": b'"de"', "format": b'"text"',
+             "alternatives": b"1"}
+    cases += [("/translate", field, name, b"{" + b", ".join(
+        b'"%s": %s' % (other.encode(), value if other == field else given)
+        for other, given in libre.items()) + b"}")
+              for field in libre for name, value in EDGES.items()]
+
+    async def ask_all():
+        connection = Connection(server.host, server.port)
+        try:
+            return [await asyncio.wait_for(connection.send("POST", path, body), 20)
+                    for path, _, _, body in cases]
+        finally:
+            await connection.close()
+
+    wrong = []
+    for (path, field, name, _), (status, _, body) in zip(cases, asyncio.run(ask_all())):
+        accepted = (V1_ACCEPTED if path == "/v1/translate" else LIBRE_ACCEPTED)
+        expected = {200} if (field, name) in accepted else \
+            {400} if name in UNREADABLE or path == "/translate" else set(range(400, 500))
+        answer = json.loads(body)
+        if status not in expected or (status != 200 and not isinstance(answer["error"], str)):
+            wrong.append(f"{path} {field}={name}: {status} {answer}")
+    assert not wrong, "\n".join(wrong)
+
+
+# ----------------------------------------------------------- work that stops when no one waits
+
+
+@pytest.fixture(scope="module")
+def patient(trained):
+    """A server whose requests may be long (400 lines) and take 3 s: what a client that
+    leaves, or a search past its deadline, is tested on (well before the deadline, or at it)."""
+    model, _ = trained
+    process = Server(serve_command(model, "--max-lines", 400, "--request-timeout", 3))
+    process.wait_ready()
+    yield process
+    assert process.stop() == 0
+
+
+def cpu_seconds(server: Server) -> float:
+    """The server process's CPU time so far, all threads (Linux /proc: utime + stime)."""
+    fields = Path(f"/proc/{server.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def seconds_until_idle(server: Server, within: float) -> float:
+    """How long until /health counts no line queued or searched and the server then uses
+    under a tenth of a core (over 0.3 s); fails past `within` seconds."""
+    started = time.monotonic()
+    while True:
+        status, health = call(server, "GET", "/health")
+        idle_since = time.monotonic() - started
+        before = cpu_seconds(server)
+        time.sleep(0.3)
+        used = cpu_seconds(server) - before
+        if status == 200 and health["queued_lines"] == health["searching_lines"] == 0 \
+                and used < 0.03:
+            return idle_since
+        assert time.monotonic() - started < within, (health, used)
+
+
+def wait_for(condition, within: float = 30.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+# One long line searched as long as a request may ask: 32 beams, each to 10 × its tokens +
+# 4096 (stop: limit), thousands of steps (the issue's `beam 32, max_len_b 4096` took over 30 s
+# on the demo model).
+LONGEST = {"text": [" ".join(["A man rides a bike down the street."] * 8)], "beam": 32,
+           "max_len_a": 10, "max_len_b": 4096, "stop": "limit"}
+
+
+def searching(server: Server) -> bool:
+    return call(server, "GET", "/health")[1]["searching_lines"] > 0
+
+
+def test_a_client_that_hangs_up_stops_its_search_within_a_step(patient):
+    """The long search running, its client hangs up: within a second the server is idle,
+    well before the request's deadline (3 s); it logs 499."""
+    body = json.dumps(LONGEST).encode()
+    with socket.create_connection((patient.host, patient.port)) as client:
+        client.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                       b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        wait_for(lambda: searching(patient))
+    assert seconds_until_idle(patient, within=2.5) < 1.0
+    wait_for(lambda: any(" 499 1 line " in line for line in patient.log))
+
+
+def test_a_request_past_its_deadline_gets_504_and_its_search_stops(patient):
+    started = time.monotonic()
+    status, answer = call(patient, "POST", "/v1/translate", LONGEST)
+    assert status == 504, answer
+    assert 3.0 <= time.monotonic() - started < 5.0
+    assert answer["error"] == ("no answer within 3 s, this server's limit for a request "
+                               "(--request-timeout): send fewer lines, or ask for a smaller beam "
+                               "or max_len_b")
+    assert seconds_until_idle(patient, within=2.5) < 1.0
+
+
+def test_the_queue_forgets_clients_that_left_at_once(patient, lines):
+    """30 clients queue 10,000 sampled lines and hang up: within a second the queue is empty
+    and the server idle, and a request is answered as before the flood."""
+    status, before = call(patient, "POST", "/v1/translate", {"text": lines[:2]})
+    assert status == 200
+    flood = [f"{lines[n % len(lines)]} {n}" for n in range(10_000)]
+    clients = []
+    for part in range(30):
+        body = json.dumps({"text": flood[part::30], "sample": True}).encode()
+        client = socket.create_connection((patient.host, patient.port))
+        client.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                       b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        clients.append(client)
+    wait_for(lambda: call(patient, "GET", "/health")[1]["queued_lines"] > 5000)
+    for client in clients:
+        client.close()
+    assert seconds_until_idle(patient, within=2.5) < 1.0
+    assert call(patient, "POST", "/v1/translate", {"text": lines[:2]}) == (200, before)
 
 
 def test_api_key(trained, lines):
@@ -284,6 +457,7 @@ def test_full_queue_answers_503_and_sigterm_finishes_open_requests(trained, line
     assert not any("Traceback" in line for line in process.log)
 
 
+@pytest.mark.long
 def test_ten_thousand_requests_from_64_clients_lose_none_and_memory_stays_flat(trained,
                                                                                   lines):
     model, _ = trained
@@ -326,6 +500,8 @@ def test_refuses_bad_models_options_and_a_taken_port(trained, tmp_path):
                        "--beam (8) is above --max-beam (4)")
     assert_clean_error(run_attn("serve", "-m", model, "--max-len-b", 5000),
                        "--max-len-b must be at most 4096")
+    assert_clean_error(run_attn("serve", "-m", model, "--request-timeout", 0),
+                       "--request-timeout must be a finite number of seconds above 0")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
