@@ -179,7 +179,11 @@ def node_checksums(paths: dict[str, Path | None], processes: Processes) -> dict[
     processes take the sums from it (distributed.once_per_node). Eight processes reading a
     multi-GB data file at every start would be eight times the disk's or the network file
     system's work for the same answer. A process given another path than its node's first one
-    reads its own file."""
+    reads its own file. A process alone compares with no one: nothing is read (init_model sums
+    its file itself)."""
+    if not processes.distributed:
+        return dict.fromkeys(paths)
+
     def checksum(path: Path | None) -> str | None:
         try:
             return None if path is None else file_sha256(path)
