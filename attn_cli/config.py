@@ -265,8 +265,8 @@ class TrainOptions:
     dist_timeout_minutes: float = _option(30.0, on_resume=FREE)
     # the gradients' precision in DDP's all-reduce: auto is bf16 between nodes on GPUs, fp32 else
     grad_sync: str = _option("auto", on_resume=FREE)  # distributed.GRAD_SYNC
-    # off: attention never on cuDNN's kernels (CUDA; formats.CUDNN_ATTENTION)
-    cudnn_attention: str = _option("auto", on_resume=FREE)
+    # off: attention never on cuDNN's kernels (CUDA; devices.choose_cudnn_attention says why)
+    cudnn_attention: str = _option("off", on_resume=FREE)
 
     def recipe(self) -> "Recipe":
         """The preset with this run's overrides: what the run actually uses."""

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import AttnError
-from .formats import BATCH_TOKENS, GPU_BATCH_TOKENS
+from .formats import BATCH_TOKENS, CUDNN_ATTENTION, GPU_BATCH_TOKENS
 from .model import FeedForward, Transformer
 
 
@@ -33,6 +33,27 @@ def pick_device(option: str, index: int = 0) -> torch.device:
     if option == "cpu":
         return torch.device("cpu")
     raise AttnError(f"--device must be auto, cpu or cuda, not {option!r}")
+
+
+def choose_cudnn_attention(option: str, device: torch.device) -> bool:
+    """off (the default of every command): scaled_dot_product_attention never picks cuDNN's
+    kernels on CUDA; auto leaves torch's choice. From torch 2.9 with cuDNN 9.x on an H100 torch
+    prefers them, and cuDNN builds a graph for every new (batch, source, target) shape, which
+    length-bucketed batches and a growing decoder bring by the thousand. Measured on an H100
+    (torch 2.11, cuDNN 9.19; benchmarks/README.md, gpu_smoke.py): base on WMT-shaped batches
+    trained at 61-68k target tokens/s with cuDNN's kernels and 270-300k without; first calls of
+    50 shapes cost 13 s more and their repeats 2.4x the other kernels'; a beam-4 decode of the
+    test set ran 8% faster without. On a CPU there is nothing to choose. Returns whether it
+    turned them off."""
+    if option not in CUDNN_ATTENTION:
+        raise AttnError(f"--cudnn-attention must be one of {', '.join(CUDNN_ATTENTION)}, not "
+                        f"{option!r}")
+    if option == "auto" or device.type != "cuda":
+        return False
+    if not hasattr(torch.backends.cuda, "enable_cudnn_sdp"):  # a torch without cuDNN attention
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return True
 
 
 def gpu_has_native_bf16(device: torch.device) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .devices import pick_device
+from .devices import choose_cudnn_attention, pick_device
 from .errors import AttnError
 from .modelfile import LoadedModel, load_model
 
@@ -31,6 +31,7 @@ def load_models(paths: list, device: str = "auto", threads: int = 0
     Returns (models, device, threads)."""
     threads = set_threads(threads)
     chosen = pick_device(device)
+    choose_cudnn_attention("off", chosen)  # why: its docstring (decoding 8% faster without)
     models = [load_model(path, device=chosen) for path in paths]
     check_same_vocabularies(models, [str(path) for path in paths])
     return models, chosen, threads

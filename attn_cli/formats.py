@@ -86,8 +86,9 @@ METRICS_FILE = "metrics.jsonl"
 VALID_METRICS = {"loss": "lower", "bleu": "higher", "chrf": "higher", "f1": "higher"}
 # `train --grad-sync`: the precision of the gradients' all-reduce (train/distributed.py)
 GRAD_SYNC = ("auto", "fp32", "bf16")
-# `train --cudnn-attention`: whether attention may run on cuDNN's kernels (auto: torch decides)
-CUDNN_ATTENTION = ("auto", "off")
+# `train --cudnn-attention`: whether attention may run on cuDNN's kernels (off, the default of
+# every command: never; auto: torch decides; devices.choose_cudnn_attention says why)
+CUDNN_ATTENTION = ("off", "auto")
 
 # ------------------------------------------------------------------ vocabulary: fixed special ids
 

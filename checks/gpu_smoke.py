@@ -161,6 +161,11 @@ CALLS = {
     "A": {"stages": [0, 1, 2, 3], "steps": 800},
     "B": {"stages": [2, 3, 7, 8, 9], "steps": 300, "no_variants": True},
     "C": {"stages": [2, 10, 5, 6, 4, 11], "steps": 300},
+    # One call for a lease of 15 minutes in all (the machine's start included): the headline's
+    # rows but the kernels' (stage 1, a minute, and `pytest -m gpu`, stage 11: a second call if
+    # time is left: --stages 11,1 --deadline 195). 444 s on an H100 (benchmarks/README.md).
+    "S": {"stages": [0, 2, 3, 10, 7], "steps": 400, "short_steps": 30, "wmt_steps": 60,
+          "ddp_steps": 20},
 }
 # Seconds each stage takes on one H100 (the review's §4, and estimates for the new ones): what a
 # stage leaves for the stages after it in its call when it sizes its own training.
@@ -185,7 +190,8 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
                         "the profile's trace go")
     parser.add_argument("--call", choices=sorted(CALLS), help="one of the three calls "
                         "(checks/README.md): A 0,1,2,3; B 2,3,7,8,9 (--steps 300 "
-                        "--no-variants); C 2,10,5,6,4,11")
+                        "--no-variants); C 2,10,5,6,4,11; or S, the one call of a "
+                        "15-minute lease: 0,2,3,10,7 with shorter runs")
     parser.add_argument("--stages", help="comma-separated stage numbers, in the order to run "
                         "them (default: the call's, or every stage)")
     parser.add_argument("--work", type=Path, default=None, help="work files (default: "
@@ -228,8 +234,10 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"no stage {unknown}: stages are 0-{max(STAGES)}")
     args.no_variants = args.no_variants or call.get("no_variants", False)
     defaults = {"steps": 60 if cpu else call.get("steps", 800),
-                "short_steps": 10 if cpu else 60, "wmt_steps": 12 if cpu else 100,
-                "ddp_steps": 6 if cpu else 30, "warmup": 50 if cpu else 400}
+                "short_steps": 10 if cpu else call.get("short_steps", 60),
+                "wmt_steps": 12 if cpu else call.get("wmt_steps", 100),
+                "ddp_steps": 6 if cpu else call.get("ddp_steps", 30),
+                "warmup": 50 if cpu else 400}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -178,6 +178,32 @@ def test_asking_for_cuda_without_it_is_one_error_line(argv, tmp_path, monkeypatc
     assert_clean_error(run_attn(*argv, stdin="x\n"), "CUDA" if "fp16" not in argv else "fp16")
 
 
+def test_cudnn_attention_off_turns_cudnns_kernels_off_on_cuda_only(monkeypatch):
+    from attn_cli.errors import AttnError
+
+    calls = []
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", calls.append, raising=False)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert devices.choose_cudnn_attention("off", gpu) and calls == [False]
+    assert not devices.choose_cudnn_attention("auto", gpu)  # torch's choice, untouched
+    assert not devices.choose_cudnn_attention("off", cpu)  # nothing to choose on a CPU
+    assert calls == [False]
+    with pytest.raises(AttnError, match="--cudnn-attention must be one of off, auto"):
+        devices.choose_cudnn_attention("on", gpu)
+
+
+def test_models_loaded_for_inference_keep_attention_off_cudnn(monkeypatch):
+    """decode, score, parse and serve load through load_models: on a GPU, attention off cuDNN's
+    kernels (a decoder's every step is a new shape for them)."""
+    from attn_cli import ensemble
+
+    chosen = []
+    monkeypatch.setattr(ensemble, "choose_cudnn_attention",
+                        lambda option, device: chosen.append((option, device.type)))
+    ensemble.load_models([FIXTURE_MODEL], "cpu")
+    assert chosen == [("off", "cpu")]
+
+
 def fake_gpus(monkeypatch, count: int, capability: tuple[int, int]) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
@@ -344,3 +370,11 @@ def test_fused_adam_on_a_gpu_is_saved_from_the_host_and_restored_on_the_device()
         assert step.dtype == torch.float32 and float(step) == 1.0
         if again.defaults.get("fused"):
             assert step.device == parameter.device
+
+
+@pytest.mark.gpu
+def test_decoding_on_a_gpu_runs_attention_off_cudnn():
+    from attn_cli.ensemble import load_models
+
+    load_models([FIXTURE_MODEL], "cuda")
+    assert not torch.backends.cuda.cudnn_sdp_enabled()

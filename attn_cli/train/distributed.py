@@ -26,7 +26,7 @@ import torch
 
 from ..devices import pick_device
 from ..errors import AttnError
-from ..formats import CUDNN_ATTENTION, GRAD_SYNC
+from ..formats import GRAD_SYNC
 
 # The switch that makes a one-process job a process group of one rank, trained through DDP.
 ONE_RANK_SWITCH = "ATTN_DDP_ONE_RANK"
@@ -108,23 +108,6 @@ def init_process_group(backend: str, device: torch.device, timeout_minutes: floa
     where = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}
     dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes),
                             **({"device_id": device} if device.type == "cuda" else {}), **where)
-
-
-def choose_cudnn_attention(option: str, device: torch.device) -> bool:
-    """--cudnn-attention off: scaled_dot_product_attention never picks cuDNN's kernels on
-    CUDA (auto leaves torch's choice). From torch 2.9 with cuDNN 9.15 on H100 it prefers them,
-    and cuDNN builds a graph for every new (batch, source, target) shape, which length-bucketed
-    batches bring by the thousand. On a CPU there is nothing to choose. Returns whether it
-    turned them off."""
-    if option not in CUDNN_ATTENTION:
-        raise AttnError(f"--cudnn-attention must be one of {', '.join(CUDNN_ATTENTION)}, not "
-                        f"{option!r}")
-    if option == "auto" or device.type != "cuda":
-        return False
-    if not hasattr(torch.backends.cuda, "enable_cudnn_sdp"):  # a torch without cuDNN attention
-        return False
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    return True
 
 
 def check_process_layout(device_option: str) -> None:

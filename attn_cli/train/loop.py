@@ -37,13 +37,12 @@ from .. import checkpoints
 from ..batching import Batch, BatchPlan, StepStream, batch_plan
 from ..checkpoints import ResumePoint
 from ..config import Recipe, TrainOptions, parse_interval
-from ..devices import autocast, warn_if_bf16_is_emulated
+from ..devices import autocast, choose_cudnn_attention, warn_if_bf16_is_emulated
 from ..errors import AttnError, TrainingDiverged, batch_must_fit
 from .distributed import (
     EveryRankStops,
     Processes,
     all_reduce_sum,
-    choose_cudnn_attention,
     collective_failed,
     from_main,
     start_processes,

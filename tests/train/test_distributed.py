@@ -66,26 +66,11 @@ def test_gradients_are_all_reduced_in_bf16_between_nodes_on_gpus_only(monkeypatc
         distributed.gradient_sync_dtype("bf16", cpu)
 
 
-def test_cudnn_attention_off_turns_cudnns_kernels_off_on_cuda_only(monkeypatch):
-    from attn_cli.errors import AttnError
-
-    calls = []
-    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", calls.append, raising=False)
-    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert distributed.choose_cudnn_attention("off", gpu) and calls == [False]
-    assert not distributed.choose_cudnn_attention("auto", gpu)  # torch's choice, untouched
-    assert not distributed.choose_cudnn_attention("off", cpu)  # nothing to choose on a CPU
-    assert calls == [False]
-    with pytest.raises(AttnError, match="--cudnn-attention must be one of auto, off"):
-        distributed.choose_cudnn_attention("on", gpu)
-
-
-def test_cudnn_attention_off_is_a_train_option_without_effect_on_a_cpu(data_files, tmp_path,
+def test_cudnn_attention_off_is_trains_default_without_effect_on_a_cpu(data_files, tmp_path,
                                                                       monkeypatch):
     calls = []
     monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", calls.append, raising=False)
-    result = run_attn(*train_args(data_files[0], tmp_path / "run", "--max-steps", 1,
-                                  "--cudnn-attention", "off"))
+    result = run_attn(*train_args(data_files[0], tmp_path / "run", "--max-steps", 1))
     assert result.returncode == 0, result.stderr
     assert calls == [] and "cuDNN" not in result.stderr
     assert json.loads(saved_state(tmp_path / "run", 1)["options"])["cudnn_attention"] == "off"
