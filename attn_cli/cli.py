@@ -461,14 +461,27 @@ def decode(
                                              "attention weights (encoder, decoder, "
                                              "encoder-decoder: layers × heads) with its pieces "
                                              "to this .st file, for `attn plot attention`."),
+    split_sentences: bool = typer.Option(
+        False, "--split-sentences", help="Cut each line into sentences (Wikimedia's sentencex: "
+        "\"Dr.\", \"e.g.\", \"z.B.\" stay whole), search the sentences of all lines in shared "
+        "batches and join each line's translations with its own spaces, tabs, \\r and U+2028: "
+        "still one line out per line in (a blank line as it is), for a model trained on "
+        "sentences given paragraphs. --nbest 1 only, no --attention; --sample numbers the "
+        "sentences in order (sentence k draws what line k of a file of one sentence per line "
+        "draws); ensembles and --int8 as without it; the summary counts sentences."),
+    source_lang: Optional[str] = typer.Option(
+        None, "--source-lang", metavar="CODE", help="The language whose rules "
+        "--split-sentences cuts by (en, de, ja, pt-BR: its region ignored) [default: the "
+        "model file's source language, if it names one; else English's rules]."),
     input_path: InputOption = "-",
     strict: StrictOption = False,
     stats_json: StatsJsonOption = None,
 ) -> None:
     """Translate stdin to stdout with beam search (paper §6.1), or by sampling: one line out
     per line in."""
-    from .translate import load_translator
+    from .translate import check_split_sentences, load_translator, sentence_language
 
+    check_split_sentences(split_sentences, source_lang, nbest, attention is not None)
     started = time.perf_counter()
     translator = load_translator(model_path, beam, device=device.value, dtype=dtype.value,
                                  threads=threads, workers=workers, warn=log, alpha=alpha,
@@ -485,7 +498,11 @@ def decode(
 
         writer = AttentionWriter(attention)
         render = recording_render(translator, writer)
-    stats = _stream(translator, input_path, strict, render)
+    lang = None
+    if split_sentences:
+        lang, origin = sentence_language(source_lang, translator.langs)
+        log(f"decode: lines cut into sentences by the rules of {lang!r} ({origin})")
+    stats = _stream(translator, input_path, strict, render, split_sentences, lang)
     if attention is not None:
         writer.write()
         log(f"decode: attention maps of {len(writer.pieces)} lines in {attention}")
@@ -495,19 +512,29 @@ def decode(
 
 @app.command()
 def serve(
-    model_path: List[Path] = typer.Option(..., "-m", "--model", help="A model file (.st); -m "
-                                          "again for an ensemble, as in `attn decode`."),
+    model_path: List[str] = typer.Option(
+        ..., "-m", "--model", metavar="[SOURCE-TARGET=]FILE",
+        help="A model file (.st), or SOURCE-TARGET=FILE to serve it for "
+        "that language pair: -m en-de=a.st -m de-en=b.st is one server of two pairs, and a "
+        "request picks its model by source and target. -m again with the same pair (or, "
+        "without pairs, any -m again) adds a model to that pair's ensemble, as in `attn "
+        "decode`: an ensemble is of one pair's models, so repeating the pair says which files "
+        "it joins, without a separator a file name could hold. (A file whose name looks like a "
+        "pair: ./en-de=x.st.)"),
     host: str = typer.Option(SERVE_DEFAULTS["host"], "--host", help="Address to listen on "
                              "(0.0.0.0: every interface; only with --api-key on a shared "
                              "network)."),
     port: int = typer.Option(SERVE_DEFAULTS["port"], "--port", min=0, max=65535,
                              help="Port (0: a free one, named in the first log line)."),
     name: Optional[str] = typer.Option(None, "--name", help="The model's id in requests and "
-                                       "GET /v1/models [default: the file names' stems]."),
+                                       "GET /v1/models, without SOURCE-TARGET= pairs (with "
+                                       "them, each model's id is its pair) [default: the file "
+                                       "names' stems]."),
     langs: Optional[str] = typer.Option(None, "--langs", help="SOURCE-TARGET language codes "
-                                        "(e.g. en-de) for LibreTranslate's /translate and "
-                                        "/languages [default: the model file's, if it has "
-                                        "them; else any pair is accepted]."),
+                                        "(e.g. en-de) of a model given without its pair, for "
+                                        "LibreTranslate's /translate and /languages [default: "
+                                        "the model file's, if it has them; else any pair is "
+                                        "accepted]."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="ATTN_API_KEY",
                                           show_envvar=True, help="Answer only requests that "
                                           "carry this key (Authorization: Bearer KEY, "
@@ -515,9 +542,16 @@ def serve(
     max_body: int = typer.Option(SERVE_DEFAULTS["max_body"], "--max-body", min=1,
                                  help="Largest request body, in bytes (413 above)."),
     max_lines: int = typer.Option(SERVE_DEFAULTS["max_lines"], "--max-lines", min=1,
-                                  help="Most lines in one request (422 above)."),
+                                  help="Most lines searched for one request: its lines, or "
+                                  "with sentence splitting (LibreTranslate's endpoints, split: "
+                                  "true) its sentences (422 above; 400 on LibreTranslate's)."),
     max_line_chars: int = typer.Option(SERVE_DEFAULTS["max_line_chars"], "--max-line-chars",
-                                       min=1, help="Longest line, in characters (422 above)."),
+                                       min=1, help="Longest line (or sentence), in characters "
+                                       "(422 above)."),
+    char_limit: int = typer.Option(SERVE_DEFAULTS["char_limit"], "--char-limit", min=-1,
+                                   help="LibreTranslate's: most characters in one /translate "
+                                   "or /detect request, all its texts together (400 above; "
+                                   "GET /frontend/settings tells web pages). -1: no limit."),
     queue_lines: int = typer.Option(SERVE_DEFAULTS["queue_lines"], "--queue-lines", min=1,
                                     help="Lines waiting for a search, all requests together: "
                                     "a request that does not fit gets 503 with Retry-After."),
@@ -556,6 +590,20 @@ def serve(
         SERVE_DEFAULTS["request_timeout"], "--request-timeout", min=0.0,
         help="Seconds a request may wait and be searched (504 past them; its search stops "
         "within a step)."),
+    cache_lines: int = typer.Option(
+        SERVE_DEFAULTS["cache_lines"], "--cache-lines", min=0,
+        help="Lines whose translations are kept (least recently used out; also at most 256 "
+        "characters a line on average): a line asked again with the same settings is answered "
+        "without a search. 0: no cache."),
+    req_limit: int = typer.Option(
+        SERVE_DEFAULTS["req_limit"], "--req-limit", min=0,
+        help="Requests a minute from each client (the API key it sends in a header, else its "
+        "address): a burst of that many, then 429 with Retry-After. /health and /metrics are "
+        "not counted. 0: no limit."),
+    metrics_auth_token: Optional[str] = typer.Option(
+        None, "--metrics-auth-token", envvar="ATTN_METRICS_AUTH_TOKEN", show_envvar=True,
+        help="Answer GET /metrics (Prometheus) only with 'Authorization: Bearer TOKEN' "
+        "[default: /metrics is open, --api-key or not]."),
     beam: BeamOption = TRANSLATION.beam,
     alpha: AlphaOption = TRANSLATION.alpha,
     max_len_a: MaxLenAOption = TRANSLATION.max_len_a,
@@ -568,9 +616,10 @@ def serve(
     threads: ThreadsOption = 0,
     workers: WorkersOption = 0,
 ) -> None:
-    """Translate over HTTP with the model kept loaded (pip install 'attn[serve]'): POST
-    /v1/translate, GET /v1/models, GET /health, and LibreTranslate's POST /translate and GET
-    /languages. Requests arriving together are searched in shared batches; the answers are
+    """Translate over HTTP with the models kept loaded (pip install 'attn[serve]'): POST
+    /v1/translate, GET /v1/models, GET /health, and LibreTranslate's POST /translate (texts cut
+    into sentences), /detect, /translate_file and GET /languages, for one language pair or
+    several. Requests arriving together are searched in shared batches; the answers are
     `attn decode`'s. --beam, --alpha, --max-len-a/b and --stop are the defaults a request may
     override. Logs one line per request on stderr; SIGTERM finishes open requests, then
     exits 0."""
@@ -579,19 +628,22 @@ def serve(
 
     options = ServeOptions(host=host, port=port, name=name, langs=parse_langs(langs),
                            api_key=api_key or None, max_body=max_body, max_lines=max_lines,
-                           max_line_chars=max_line_chars, queue_lines=queue_lines,
+                           max_line_chars=max_line_chars, char_limit=char_limit,
+                           queue_lines=queue_lines,
                            max_beam=max_beam, gather_ms=gather_ms,
                            max_connections=max_connections, header_timeout=header_timeout,
                            body_timeout=body_timeout, idle_timeout=idle_timeout,
                            max_header_bytes=max_header_bytes,
                            max_request_tokens=max_request_tokens,
-                           request_timeout=request_timeout)
+                           request_timeout=request_timeout, cache_lines=cache_lines,
+                           req_limit=req_limit,
+                           metrics_auth_token=metrics_auth_token or None)
     options.check_defaults(beam, max_len_b)
 
-    def load():
+    def load(files: list[Path]):
         from .translate import load_translator
 
-        translator = load_translator(model_path, beam, device=device.value, dtype=dtype.value,
+        translator = load_translator(files, beam, device=device.value, dtype=dtype.value,
                                      threads=threads, workers=workers, warn=log, alpha=alpha,
                                      max_len_a=max_len_a, max_len_b=max_len_b, stop=stop,
                                      batch_tokens=batch_tokens, int8=int8)
@@ -610,8 +662,10 @@ def _write_stats(path: Path | None, stats, load_seconds: float) -> None:
             handle.write(_json_line({**stats.record(), "load_seconds": load_seconds}) + "\n")
 
 
-def _stream(translator, input_path: str, strict: bool, render=None):
-    """Lines of `input_path` through the translator to stdout, one (or nbest) out per line in."""
+def _stream(translator, input_path: str, strict: bool, render=None,
+            split_sentences: bool = False, lang: str | None = None):
+    """Lines of `input_path` through the translator to stdout, one (or nbest) out per line in
+    (`translate.run`)."""
     from .files import display_name, open_binary
     from .translate import run
 
@@ -620,7 +674,7 @@ def _stream(translator, input_path: str, strict: bool, render=None):
     with open_binary(input_path) as stream:
         try:
             return run(translator, stream, out, display_name(input_path), render=render,
-                       policy=_utf8_policy(strict))
+                       policy=_utf8_policy(strict), split_sentences=split_sentences, lang=lang)
         finally:
             out.flush()
 

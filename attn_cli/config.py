@@ -368,8 +368,11 @@ class ServeOptions:
     langs: tuple[str, str] | None = None  # (source, target) codes
     api_key: str | None = None
     max_body: int = 1 << 20  # bytes
-    max_lines: int = 1000  # per request
+    max_lines: int = 1000  # lines (split: sentences) searched for one request
     max_line_chars: int = 10_000
+    # LibreTranslate's --char-limit: the characters of all the texts of one /translate or
+    # /detect request (-1: no limit); /frontend/settings tells web pages as `charLimit`.
+    char_limit: int = 10_000
     queue_lines: int = 10_000  # lines waiting for a search worker, all requests together
     max_beam: int = 32
     gather_ms: float = 3.0
@@ -395,6 +398,12 @@ class ServeOptions:
     # above a request of --max-lines at the defaults (the demo model decodes 1,000 lines at
     # beam 4 in 4-5 s on 2 cores: benchmarks/README.md).
     request_timeout: float = 60.0
+    # serve/operations.py: lines whose outputs are kept (0: no cache); requests a minute per
+    # client, the API key it sends or its address (0: no limit; LibreTranslate's --req-limit);
+    # the Bearer token GET /metrics needs (None: /metrics is open, outside --api-key).
+    cache_lines: int = 10_000
+    req_limit: int = 0
+    metrics_auth_token: str | None = None
 
     def __post_init__(self) -> None:
         if self.queue_lines < self.max_lines:
@@ -409,6 +418,9 @@ class ServeOptions:
         if not 0 < self.request_timeout < math.inf:  # NaN too
             raise AttnError(f"--request-timeout must be a finite number of seconds above 0, "
                             f"not {self.request_timeout}")
+        if self.char_limit == 0 or self.char_limit < -1:
+            raise AttnError(f"--char-limit must be at least 1, or -1 for no limit, not "
+                            f"{self.char_limit}")
 
     def check_defaults(self, beam: int, max_len_b: int) -> None:
         """The server's own search settings (--beam, --max-len-b) within what it lets a request

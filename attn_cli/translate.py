@@ -3,7 +3,8 @@
 A reader thread pulls stdin lazily; the main loop takes whatever lines have arrived (at least
 one, at most `buffer_size`), sorts them by length into token-budget batches, searches, and writes
 the window's results in input order. A user typing sees each translation after pressing enter; a
-file streams through in windows of `buffer_size` lines.
+file streams through in windows of `buffer_size` lines. With `--split-sentences` the window's lines
+are cut into sentences first (sentences.py), and all of them are searched in the same batches.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .batching import pad_sequences, source_budget, token_budget_batches
-from .config import ALPHA_HIGHEST, MAX_LEN_A_HIGHEST, TEMPERATURE_RANGE
+from .config import ALPHA_HIGHEST, MAX_LEN_A_HIGHEST, TEMPERATURE_RANGE, parse_langs
 from .devices import inference_dtype, inference_model, pick_device, search_batch_tokens
 from .ensemble import Ensemble, load_models
 from .errors import AttnError, batch_must_fit
@@ -38,6 +39,7 @@ from .search import (
     sample,
     sentence_uniforms,
 )
+from .sentences import segmenter_language, split_texts
 
 # Each numeric setting's range: (lowest, highest, whether the lowest itself is allowed); None: no
 # bound. The one check of them, for every caller: the library, `attn serve`'s requests (whose
@@ -120,10 +122,14 @@ class DecodeStats:
     seconds: float = 0.0
     truncated: int = 0
     replaced: int = 0  # lines whose invalid UTF-8 was replaced by U+FFFD
+    # --split-sentences: the non-empty lines the sentences were cut from (None: not split, each
+    # non-empty line searched as one sentence)
+    split_lines: int | None = None
 
     def record(self) -> dict:
         """The summary as one JSON object (`--stats-json`)."""
-        return {"sentences": self.sentences, "output_tokens": self.output_tokens,
+        split = {} if self.split_lines is None else {"split_lines": self.split_lines}
+        return {"sentences": self.sentences, **split, "output_tokens": self.output_tokens,
                 "seconds": self.seconds,
                 "sentences_per_s": self.sentences / max(self.seconds, 1e-9),
                 "tokens_per_s": self.output_tokens / self.seconds if self.seconds else 0.0,
@@ -133,7 +139,8 @@ class DecodeStats:
         rate = self.output_tokens / self.seconds if self.seconds else 0.0
         notes = [f"{self.truncated} truncated"] if self.truncated else []
         notes += [f"{self.replaced} with invalid UTF-8 replaced"] if self.replaced else []
-        return (f"{self.sentences} sentences, {self.output_tokens} output tokens (EOS "
+        split = "" if self.split_lines is None else f" cut from {self.split_lines} lines"
+        return (f"{self.sentences} sentences{split}, {self.output_tokens} output tokens (EOS "
                 f"included) in {self.seconds:.2f}s: {self.sentences / max(self.seconds, 1e-9):.1f}"
                 f" sentences/s, {rate:.0f} tokens/s"
                 + (f" ({', '.join(notes)})" if notes else ""))
@@ -229,6 +236,7 @@ class Translator:
         # those stay as they were, and their weights are freed when the caller drops them.
         self.config, self.src_vocab, self.tgt_vocab = (loaded.config, loaded.src_vocab,
                                                        loaded.tgt_vocab)
+        self.langs = model_langs(loaded.metadata)
         # `--int8`: int8 linear layers; else oneDNN's packed ones on a CPU, torch's on a GPU
         linears = "int8" if int8 else "packed" if device.type == "cpu" else "dense"
         models = [inference_model(member.model, device, dtype, linears)
@@ -270,15 +278,15 @@ class Translator:
         view.stats, view._pool = DecodeStats(), None
         return view
 
-    def encode(self, lines: list[str], first_line: int, where: str = "decode"
-               ) -> list[list[int]]:
+    def encode(self, lines: list[str], first_line: int, where: str = "decode",
+               unit: str = "line") -> list[list[int]]:
         """Source ids of each line, EOS appended, cut to the models' limit (`where` names the
-        lines' origin in the warning)."""
+        lines' origin in the warning, `unit` what they are: lines, or sentences cut from them)."""
         ids = self.src_vocab.encode(lines)
         eos = self.config.eos_id
         for offset, sequence in enumerate(ids):
             if len(sequence) > self.max_source:
-                self.warn(f"{where}: line {first_line + offset}: {len(sequence)} tokens, "
+                self.warn(f"{where}: {unit} {first_line + offset}: {len(sequence)} tokens, "
                           f"truncated to the model's limit of {self.max_source}")
                 self.stats.truncated += 1
                 del sequence[self.max_source:]
@@ -320,14 +328,16 @@ class Translator:
                                nbest=options.nbest, longest=self.longest_output,
                                constraint=constraint, stop=options.stop, cancelled=cancelled)
 
-    def translate_window(self, lines: list[str], first_line: int) -> list[list[Hypothesis]]:
-        """Hypotheses for every line, in input order; an empty line gets [EMPTY_LINE]."""
+    def translate_window(self, lines: list[str], first_line: int, unit: str = "line"
+                         ) -> list[list[Hypothesis]]:
+        """Hypotheses for every line, in input order; an empty line gets [EMPTY_LINE]. Line i
+        is number first_line + i (warnings name it, sampling draws from it) of its `unit`."""
         results: list[list[Hypothesis] | None] = [None] * len(lines)
         todo = [i for i, line in enumerate(lines) if line.strip()]
         for i in set(range(len(lines))) - set(todo):
             results[i] = [EMPTY_LINE]
         if todo:
-            ids = self.encode([lines[i] for i in todo], first_line)
+            ids = self.encode([lines[i] for i in todo], first_line, unit=unit)
             lengths = [len(sequence) for sequence in ids]
             batches = token_budget_batches(lengths, self.options.source_budget)
 
@@ -351,6 +361,17 @@ class Translator:
         return [text for index, hypotheses in enumerate(results)
                 for text in self.format(index, hypotheses)]
 
+    def translate_paragraphs(self, texts: list[str], lang: str | None = None) -> list[str]:
+        """The best translation of each text, cut into sentences by the rules of `lang` (an ISO
+        639 code, else ValueError; None: English's) and put back together: the sentences of all
+        the texts are searched in the same batches, each text's translations joined with its
+        own spaces and line breaks (`sentences.split_texts`). One string per text, in order; a
+        text of whitespace alone comes back as it is. Sampling numbers the sentences from 1, in
+        order. `attn decode --split-sentences` does this window by window."""
+        split = split_texts(texts, lang)
+        results = self.translate_window(split.sentences, 1, unit="sentence")
+        return split.join(self.detokenize([hypotheses[0] for hypotheses in results]))
+
     def detokenize(self, hypotheses: list[Hypothesis]) -> list[str]:
         vocab = self.tgt_vocab
         if self.options.raw:
@@ -370,6 +391,74 @@ class Translator:
         if self.options.nbest == 1:
             return [outputs[0][1]]
         return [f"{index}\t{h.score:.4f}\t{text}" for h, text in outputs]
+
+    def align(self, lines: list[str], outputs: list[list[int]], layer: int | None = None,
+              heads: list[int] | None = None) -> list[list[tuple[int, int]]]:
+        """Word alignments of each line with its output `outputs[i]` (a hypothesis's tokens):
+        (source word, output word) pairs over whitespace words, read off the cross-attention
+        of one teacher-forced pass (`alignment.py`; `layer` default the penultimate decoder
+        layer, `heads` default all). An ensemble's first model aligns."""
+        from .alignment import DEFAULT_LAYER, align_lines
+        from .ensemble import Ensemble
+
+        model = self.model.models[0] if isinstance(self.model, Ensemble) else self.model
+        return align_lines(model, self.src_vocab, self.tgt_vocab, lines, outputs,
+                           self.max_source, DEFAULT_LAYER if layer is None else layer, heads)
+
+    def translate_aligned(self, lines: list[str]) -> tuple[list[str], list[list[tuple[int, int]]]]:
+        """The best translation of each line (detokenized: `--raw` does not apply) and its
+        word alignment (`align`): what `markup.translate_html` asks of a translator."""
+        best = [hypotheses[0] for hypotheses in self.translate_window(list(lines), 1)]
+        outputs = [hypothesis.tokens for hypothesis in best]
+        return self.tgt_vocab.decode(outputs), self.align(list(lines), outputs)
+
+
+def model_langs(metadata: dict[str, str]) -> tuple[str, str] | None:
+    """The model file's (source, target) language codes (its metadata's `langs`, "en-de"), or
+    None where it names none, or not as SOURCE-TARGET."""
+    try:
+        return parse_langs(metadata.get("langs"))
+    except AttnError:  # written by hand or by another tool: no language rather than no decode
+        return None
+
+
+def check_split_sentences(split_sentences: bool, source_lang: str | None, nbest: int,
+                          attention: bool) -> None:
+    """`attn decode --split-sentences` with the options it goes with, refused before a model
+    loads. A line becomes several searches: one line of output joins their best translations,
+    so there is no line's n-best list to print, nor one line's attention map to save."""
+    if not split_sentences:
+        if source_lang is not None:
+            raise AttnError("--source-lang is the language --split-sentences cuts sentences "
+                            "by: add --split-sentences")
+        return
+    one_per_line = "put one sentence per line and decode without --split-sentences"
+    if nbest > 1:
+        raise AttnError(f"--split-sentences prints one translation per line, not --nbest "
+                        f"{nbest} lists (a line is several searches): {one_per_line}")
+    if attention:
+        raise AttnError(f"--attention saves one map per line, and --split-sentences searches "
+                        f"a line as several sentences: {one_per_line}")
+    sentence_language(source_lang, None)  # what is not a language code: refused now
+
+
+def sentence_language(source_lang: str | None, langs: tuple[str, str] | None
+                      ) -> tuple[str, str]:
+    """The language whose rules `--split-sentences` cuts by, and where it came from: the code
+    the user gave (`--source-lang`), else the model's source language (`langs`, from its file:
+    `Translator.langs`), else English."""
+    if source_lang is not None:
+        try:
+            return segmenter_language(source_lang), "--source-lang"
+        except ValueError:
+            raise AttnError(f"--source-lang takes a language code such as en, de or pt-BR, "
+                            f"not {source_lang!r}") from None
+    try:
+        if langs is not None:
+            return segmenter_language(langs[0]), "the model's source language"
+    except ValueError:  # a model file's odd code costs the language's rules, not the decode
+        pass
+    return "en", "no source language known from the model"
 
 
 def search_workers(threads: int, workers: int, device: torch.device) -> tuple[int, int]:
@@ -416,23 +505,33 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
 
 
 def run(translator: Translator, stream, out, name: str = "<stdin>", render=None,
-        policy: Utf8Policy = STRICT) -> DecodeStats:
+        policy: Utf8Policy = STRICT, split_sentences: bool = False,
+        lang: str | None = None) -> DecodeStats:
     """The pipe: windows of lines in, one line (or nbest lines) out per line in, in order.
     `render(index, line, hypotheses)` makes the output lines (default: translations); `policy`
-    says what invalid UTF-8 does."""
+    says what invalid UTF-8 does. `split_sentences`: each line cut into sentences by the rules
+    of `lang` and translated as `Translator.translate_paragraphs` does (the best translation
+    only: no render, nbest 1)."""
+    if split_sentences and (render is not None or translator.options.nbest > 1):
+        raise ValueError("split sentences are written as one line per line: no render, no nbest")
     render = render or (lambda index, line, hypotheses: translator.format(index, hypotheses))
     started = time.perf_counter()
     stats = translator.stats
+    if split_sentences:
+        stats.split_lines = 0
     line_number = 0
     try:
         for window in read_windows(stream, translator.options.buffer_size, name, policy):
-            results = translator.translate_window(window, line_number + 1)
-            for offset, hypotheses in enumerate(results):
-                for text in render(line_number + offset, window[offset], hypotheses):
-                    out.write(text + "\n")
-                if window[offset].strip():
-                    stats.sentences += 1
-                    stats.output_tokens += len(hypotheses[0].tokens) + 1
+            if split_sentences:
+                _write_split(translator, window, lang, out)
+            else:
+                results = translator.translate_window(window, line_number + 1)
+                for offset, hypotheses in enumerate(results):
+                    for text in render(line_number + offset, window[offset], hypotheses):
+                        out.write(text + "\n")
+                    if window[offset].strip():
+                        stats.sentences += 1
+                        stats.output_tokens += len(hypotheses[0].tokens) + 1
             out.flush()
             line_number += len(window)
     finally:
@@ -441,3 +540,20 @@ def run(translator: Translator, stream, out, name: str = "<stdin>", render=None,
     stats.seconds = time.perf_counter() - started
     stats.replaced = policy.count
     return stats
+
+
+def _write_split(translator: Translator, lines: list[str], lang: str | None, out) -> None:
+    """One window of `run(split_sentences=True)`: the lines' sentences searched together, each
+    line's translations joined with its spacing, one line out per line in."""
+    stats = translator.stats
+    split = split_texts(lines, lang)
+    # Sentences are numbered on from those of the windows before: sampling then draws for a
+    # sentence what it draws for the same sentence on a line of its own (line k of a file of one
+    # sentence per line), however the lines fall into windows.
+    results = translator.translate_window(split.sentences, stats.sentences + 1, unit="sentence")
+    best = [hypotheses[0] for hypotheses in results]
+    for text in split.join(translator.detokenize(best)):
+        out.write(text + "\n")
+    stats.sentences += len(best)
+    stats.output_tokens += sum(len(hypothesis.tokens) + 1 for hypothesis in best)
+    stats.split_lines += sum(1 for paragraph in split.paragraphs if paragraph.sentences)

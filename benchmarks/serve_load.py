@@ -109,8 +109,10 @@ def main() -> None:
         f"sentences/s ({len(lines)} lines in {reference['seconds']:.2f}s, model load excluded)")
     result = {"cpu": cpu, "beam": args.beam, "lines": len(lines),
               "cli_sentences_per_s": reference["sentences_per_s"], "levels": []}
+    # No translation cache: each level sends the same lines, which it would answer unsearched
+    # (--extra "--cache-lines N" measures it).
     command = [*attn_command(), "serve", "-m", args.model, "--port", "0", "--beam",
-               str(args.beam), *args.extra.split()]
+               str(args.beam), "--cache-lines", "0", *args.extra.split()]
     with running_server(command) as server:
         log(f"{'clients':>7}  {'sent/s':>7}  {'x CLI':>6}  {'p50 ms':>7}  {'p99 ms':>7}  "
             "identical")

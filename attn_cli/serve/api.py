@@ -8,7 +8,11 @@ reads the bodies and runs the search; tests/serve/test_api.py tests these withou
 What the client sends is read so that no value of it reaches the search unchecked: JSON without
 NaN or infinities, integers of at most 19 digits, nesting as deep as the parser goes (400), each
 field of its type (422) and range (422: DecodeOptions'), and the request's work within
---max-request-tokens (422; LibreTranslate's endpoint answers each 400, as LibreTranslate does).
+--max-request-tokens (422; LibreTranslate's endpoints answer each 400, as LibreTranslate does).
+
+Also here: which served model a request reaches (`Served`: by id, by pair, or with source
+"auto" by the language detected, `libre_routes`), texts cut into sentences and their outputs
+joined again (`split_sentences`, `joined_outputs`), and multipart forms (`multipart_fields`).
 """
 
 from __future__ import annotations
@@ -16,12 +20,16 @@ from __future__ import annotations
 import hmac
 import json
 import math
-from collections.abc import Mapping
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import parse_qs
 
+from .. import sentences
 from ..config import MAX_LEN_B, ServeOptions
 from ..formats import Stop
+from ..sentences import SplitTexts
 
 # ISO 639-1 names for /languages (LibreTranslate lists a name with each code).
 LANGUAGE_NAMES = {
@@ -39,11 +47,16 @@ LANGUAGE_NAMES = {
 SEARCH_FIELDS = {"beam": int, "nbest": int, "alpha": float, "max_len_a": float,
                  "max_len_b": int, "stop": str, "sample": bool, "topk": int, "topp": float,
                  "temperature": float, "seed": int, "raw": bool}
-V1_FIELDS = {"text", "model", "scores", "api_key", *SEARCH_FIELDS}
+V1_FIELDS = {"text", "model", "source", "target", "split", "scores", "api_key", *SEARCH_FIELDS}
 # Integers in a body longer than this are refused: every integer a request may send (a beam, a
 # seed) fits in 64 bits, and Python refuses to read more than 4,300 digits anyway (an error
 # that was a 500).
 MAX_INTEGER_DIGITS = 19
+# What /translate_file translates (LibreTranslate's `supportedFilesFormat`).
+FILE_FORMATS = (".txt",)
+# A text of at most this many characters is too short to tell its language by itself: with
+# source "auto" it gets what the request's texts together are detected as (LibreTranslate's).
+SHORT_TEXT = 40
 
 
 class Problem(Exception):
@@ -101,11 +114,12 @@ def _shortened(literal: str) -> str:
 
 
 def libre_fields(content_type: str, body: bytes) -> dict:
-    """LibreTranslate's fields: a form (what its Python client sends) or JSON (what its
-    browser extension sends; also a JSON body that `curl -d` labels as a form)."""
+    """LibreTranslate's fields: a form (what its Python client sends; multipart too, as a
+    browser's FormData sends it) or JSON (what its browser extension sends; also a JSON body
+    that `curl -d` labels as a form)."""
     kind = content_type.split(";")[0].strip().lower()
     if kind == "multipart/form-data":
-        raise Problem(415, "send JSON or application/x-www-form-urlencoded, not multipart")
+        return multipart_fields(content_type, body)[0]
     if kind == "application/x-www-form-urlencoded" and not body.lstrip().startswith(b"{"):
         try:
             pairs = parse_qs(_text(body), keep_blank_values=True, errors="strict")
@@ -213,6 +227,122 @@ def _json_type(value) -> str:
     return "null"
 
 
+# ------------------------------------------------------------------ the models and their pairs
+
+
+@dataclass(frozen=True)
+class Served:
+    """A model as requests name it: its id, and its pair (None: not known; the server has this
+    one model and takes any pair)."""
+
+    id: str
+    langs: tuple[str, str] | None
+
+
+def describe_pairs(served: Sequence[Served]) -> str:
+    """'en to de, de to en': what error messages say a server translates."""
+    return ", ".join(f"{model.langs[0]} to {model.langs[1]}" for model in served
+                     if model.langs is not None)
+
+
+def by_pair(served: Sequence[Served], source: str, target: str) -> Served | None:
+    """The model of a pair; the model of a server that takes any pair; or None."""
+    if len(served) == 1 and served[0].langs is None:
+        return served[0]
+    return next((model for model in served if model.langs == (source, target)), None)
+
+
+def source_languages(served: Sequence[Served], target: str | None = None) -> list[str]:
+    """The source languages served (into `target`, if given), in the order of the models."""
+    return list(dict.fromkeys(model.langs[0] for model in served if model.langs is not None
+                              and target in (None, model.langs[1])))
+
+
+# ------------------------------------------------------------------------ sentences, joined
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A text's output made of its sentences' outputs (`joined_outputs`): its `score` and
+    `log_prob` are the sums of theirs (a hypothesis as `v1_answer` reads one)."""
+
+    score: float
+    log_prob: float
+
+
+def split_sentences(texts: Sequence[str], langs: Sequence[str | None], options: ServeOptions,
+                    field: str, single: bool) -> SplitTexts:
+    """Each text cut into sentences by its language's rules (`sentences.split`; a code the
+    segmenter does not read: English's), the sentences within the server's limits: at most
+    --max-lines in the request (the lines its search holds), each of at most --max-line-chars.
+    `field` names the texts in a refusal (`q`, or `q[2]` unless `single`)."""
+    paragraphs = []
+    for text, lang in zip(texts, langs):
+        try:
+            paragraphs.append(sentences.split(text, lang))
+        except ValueError:  # not a language code (a server that takes any pair)
+            paragraphs.append(sentences.split(text))
+    split = SplitTexts(tuple(paragraphs))
+    count = sum(len(paragraph.sentences) for paragraph in paragraphs)
+    if count > options.max_lines:
+        raise Problem(422, f"{field} holds {count} sentences; this server searches at most "
+                      f"{options.max_lines} in one request (--max-lines)")
+    for index, paragraph in enumerate(paragraphs):
+        longest = max(map(len, paragraph.sentences), default=0)
+        if longest > options.max_line_chars:
+            where = field if single else f"{field}[{index}]"
+            raise Problem(422, f"{where} holds a sentence of {longest} characters; this server "
+                          f"takes at most {options.max_line_chars} (--max-line-chars)")
+    return split
+
+
+def grouped(routes: Sequence[Route]) -> list[tuple[Served, list[int]]]:
+    """The texts (their places) each model translates, the models in the order they come."""
+    groups: dict[str, tuple[Served, list[int]]] = {}
+    for place, route in enumerate(routes):
+        groups.setdefault(route.model.id, (route.model, []))[1].append(place)
+    return list(groups.values())
+
+
+def group_sentences(split: SplitTexts, texts: Sequence[int]) -> list[str]:
+    """The sentences of the texts at `texts`, text after text: one model's lines."""
+    return [sentence for place in texts for sentence in split.paragraphs[place].sentences]
+
+
+def regrouped(split: SplitTexts, groups: Sequence[tuple[Served, list[int]]],
+              outputs: Sequence[Sequence]) -> list:
+    """The outputs of each group's lines (`group_sentences`), back in `split.sentences`'
+    order."""
+    by_text: list = [None] * len(split.paragraphs)
+    for (_, texts), group_outputs in zip(groups, outputs):
+        found = iter(group_outputs)
+        for place in texts:
+            by_text[place] = [next(found) for _ in split.paragraphs[place].sentences]
+    return [output for text in by_text for output in text]
+
+
+def joined_outputs(split: SplitTexts, outputs: Sequence, nbest: int) -> list:
+    """Each text's outputs from its sentences' (`Translator.outputs`, in `split.sentences`'
+    order), in the same shape: `nbest` (hypothesis, text) pairs, the text its sentences'
+    translations joined with its own spacing (`Paragraph.join`). Output k joins each
+    sentence's k-th best, or its best where the search found fewer than k + 1: no output
+    drops a sentence. Its score is the sum of the sentences' scores (each as `attn decode`
+    reports it); a text without a sentence (whitespace alone) is its spacing, score 0."""
+    outputs = iter(outputs)
+    joined = []
+    for paragraph in split.paragraphs:
+        found = [next(outputs) for _ in paragraph.sentences]
+        texts = []
+        for k in range(nbest):
+            chosen = [output[k] if k < len(output) and math.isfinite(output[k][0].score)
+                      else output[0] for output in found]
+            texts.append((Joined(sum(hypothesis.score for hypothesis, _ in chosen),
+                                 sum(hypothesis.log_prob for hypothesis, _ in chosen)),
+                          paragraph.join([text for _, text in chosen])))
+        joined.append(texts)
+    return joined
+
+
 # ------------------------------------------------------------------------ POST /v1/translate
 
 
@@ -224,20 +354,17 @@ class V1Request:
     settings: dict  # DecodeOptions fields to change
     single: bool  # `text` was one string: the answer has one translation (and score), not lists
     scores: bool  # the answer has the scores (always with nbest > 1)
+    model: Served  # the model it asks for
+    split: bool = False  # each line cut into sentences, searched apart, joined again
 
 
-def v1_request(fields: dict, options: ServeOptions, model_id: str) -> V1Request:
-    """A /v1/translate body's lines and settings, or the Problem with it."""
+def v1_request(fields: dict, options: ServeOptions, served: Sequence[Served]) -> V1Request:
+    """A /v1/translate body's lines, settings and model, or the Problem with it."""
     unknown = sorted(set(fields) - V1_FIELDS)
     if unknown:
         raise Problem(422, f"unknown field {unknown[0]!r} (fields: "
                       f"{', '.join(sorted(V1_FIELDS - {'api_key'}))})")
-    model = fields.get("model")
-    if model is not None and not isinstance(model, str):
-        raise Problem(422, f"model must be a string, not {_json_type(model)}")
-    if model is not None and model != model_id:
-        raise Problem(404, f"unknown model {model!r}: this server has {model_id!r} "
-                      "(GET /v1/models)")
+    model = pick_model(fields, served)
     text = fields.get("text")
     if text is None:
         raise Problem(422, "the body needs a 'text' field: a list of lines")
@@ -245,17 +372,55 @@ def v1_request(fields: dict, options: ServeOptions, model_id: str) -> V1Request:
     if not isinstance(lines, list):
         raise Problem(422, f"text must be a list of strings, not {_json_type(text)}")
     check_lines(lines, "text", options)
-    scores = fields.get("scores", False)
-    if not isinstance(scores, bool):
-        raise Problem(422, f"scores must be true or false, not {_json_type(scores)}")
+    flags = {}
+    for name in ("scores", "split"):
+        flags[name] = fields.get(name, False)
+        if not isinstance(flags[name], bool):
+            raise Problem(422, f"{name} must be true or false, not {_json_type(flags[name])}")
     return V1Request(lines, search_settings(fields, options.max_beam), isinstance(text, str),
-                     scores)
+                     flags["scores"], model, flags["split"])
+
+
+def pick_model(fields: dict, served: Sequence[Served]) -> Served:
+    """The model a /v1/translate body names: by `model` (its id), or by `source` and
+    `target` (its pair); neither, the server's only one."""
+    named = {}
+    for name in ("model", "source", "target"):
+        value = fields.get(name)
+        if value is not None and not isinstance(value, str):
+            raise Problem(422, f"{name} must be a string, not {_json_type(value)}")
+        if value is not None:
+            named[name] = value
+    ids = ", ".join(repr(model.id) for model in served)
+    if "model" in named:
+        model = next((model for model in served if model.id == named["model"]), None)
+        if model is None:
+            raise Problem(404, f"unknown model {named['model']!r}: this server has {ids} "
+                          "(GET /v1/models)")
+    if ("source" in named) != ("target" in named):
+        raise Problem(422, "source and target go together: name both, or name the model")
+    if "source" in named:
+        pair = named["source"], named["target"]
+        paired = by_pair(served, *pair)
+        if paired is None:
+            raise Problem(404, f"no model translates {pair[0]} to {pair[1]}: this server "
+                          f"translates {describe_pairs(served)} (GET /v1/models)")
+        if "model" in named and paired is not model:
+            raise Problem(422, f"model {model.id!r} does not translate {pair[0]} to "
+                          f"{pair[1]}: name one or the other")
+        return paired
+    if "model" in named:
+        return model
+    if len(served) > 1:
+        raise Problem(422, f"this server has several models ({ids}): name one with model, "
+                      "or source and target")
+    return served[0]
 
 
 def v1_answer(model_id: str, asked: V1Request, outputs: list, nbest: int) -> dict:
     """The answer: each line's translation (with nbest K, its K, as `attn decode --nbest K`
     prints them) and, if asked or nbest > 1, the scores. `outputs`: each line's
-    `Translator.outputs`."""
+    `Translator.outputs` (split: `joined_outputs`)."""
     translations, scores = [], []
     for output in outputs:
         texts = [text for _, text in output]
@@ -280,21 +445,28 @@ def _score(value: float) -> float | None:
 class LibreRequest:
     """What a LibreTranslate request asks for."""
 
-    texts: list[list[str]]  # each text's lines: translated one by one, joined again
+    texts: list[str]
+    source: str  # a language code, or "auto"
+    target: str
     settings: dict  # DecodeOptions fields to change
     alternatives: int  # other translations asked for each text
     single: bool  # `q` was one string
 
-    @property
-    def lines(self) -> list[str]:
-        return [line for text in self.texts for line in text]
+
+@dataclass(frozen=True)
+class Route:
+    """Where a text goes: the model that translates it, its source language (None: not known),
+    and, with source "auto", what was detected (`{"confidence", "language"}`)."""
+
+    model: Served
+    source: str | None
+    detected: dict | None = None
 
 
-def libre_request(fields: dict, options: ServeOptions, langs: tuple[str, str] | None,
-                  beam: int) -> LibreRequest:
-    """A LibreTranslate body's texts and settings, or the Problem with it. `langs`: the pair
-    the server translates (None: any); `beam`: the server's (alternatives need a beam at least
-    as wide)."""
+def libre_request(fields: dict, options: ServeOptions, beam: int) -> LibreRequest:
+    """A LibreTranslate body's texts and settings, or the Problem with it: `q` within
+    --char-limit (all its texts together, as LibreTranslate counts). `beam`: the server's
+    (alternatives need a beam at least as wide)."""
     q = fields.get("q")
     if q is None:
         raise Problem(400, "Invalid request: missing q parameter")
@@ -304,58 +476,219 @@ def libre_request(fields: dict, options: ServeOptions, langs: tuple[str, str] | 
     if fields.get("format", "text") != "text":
         raise Problem(400, f"format {fields['format']!r} is not supported: attn translates "
                       "plain text (format 'text')")
-    source, target = fields["source"], fields["target"]
-    if langs is not None and (source not in (langs[0], "auto") or target != langs[1]):
-        raise Problem(400, f"this server translates {langs[0]} to {langs[1]} only, not "
-                      f"{source} to {target}")
     texts = [q] if isinstance(q, str) else q
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise Problem(400, "Invalid request: q must be a string or a list of strings")
+    check_char_limit(texts, options.char_limit)
+    check_unicode(texts, "q", isinstance(q, str))
     try:  # int(), as LibreTranslate reads it: "2" and 2.0 are 2
         alternatives = int(fields.get("alternatives", 0))
     except (TypeError, ValueError, OverflowError):
         raise Problem(400, "Invalid request: alternatives must be an integer") from None
     if not 0 <= alternatives < options.max_beam:
         raise Problem(400, f"Invalid request: alternatives must be 0 to {options.max_beam - 1}")
-    # A text is its lines, each translated (LibreTranslate keeps paragraphs), joined again.
-    asked = LibreRequest([[line.removesuffix("\r") for line in t.split("\n")] for t in texts],
-                         {"nbest": alternatives + 1, "beam": max(beam, alternatives + 1)}
-                         if alternatives else {}, alternatives, isinstance(q, str))
-    check_lines(asked.lines, "q", options)
-    return asked
+    settings = ({"nbest": alternatives + 1, "beam": max(beam, alternatives + 1)}
+                if alternatives else {})
+    return LibreRequest(texts, fields["source"], fields["target"], settings, alternatives,
+                        isinstance(q, str))
 
 
-def libre_answer(asked: LibreRequest, outputs: list) -> dict:
-    """Each text's translation, its lines joined again, and the alternatives if asked for.
-    `outputs`: each line's `Translator.outputs`, in order."""
-    outputs = iter(outputs)
-    translated, others = [], []
-    for text in asked.texts:
-        found = [[line_text for _, line_text in next(outputs)] for _ in text]
-        translated.append("\n".join(texts[0] for texts in found))
-        others.append(["\n".join(texts[k] for texts in found)
-                       for k in range(1, asked.alternatives + 1)])
+def check_char_limit(texts: Sequence[str], limit: int) -> None:
+    """LibreTranslate's --char-limit: the characters of all of a request's texts (-1: none)."""
+    chars = sum(map(len, texts))
+    if limit != -1 and chars > limit:
+        raise Problem(400, f"Invalid request: request ({chars} characters) exceeds text limit "
+                      f"({limit}, this server's --char-limit)")
+
+
+def check_unicode(texts: Sequence[str], field: str, single: bool) -> None:
+    """Texts that UTF-8 can encode (JSON may carry an unpaired surrogate)."""
+    for index, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            where = field if single else f"{field}[{index}]"
+            raise Problem(400, f"{where} is not valid Unicode (an unpaired surrogate at "
+                          f"character {error.start})") from None
+
+
+def libre_routes(texts: Sequence[str], source: str, target: str, served: Sequence[Served],
+                 detect: Callable[[str, list[str]], list[tuple[str, float]]]) -> list[Route]:
+    """Each text's model: the pair asked for, or with source "auto", the pair from the
+    language detected among the sources served into `target` (`detect(text, candidates)`: the
+    candidates with their confidence, 0-100, best first). A text of at most SHORT_TEXT
+    characters, too short to tell, is given what all the texts together are detected as
+    (LibreTranslate's rule). A pair not served is a 400 naming those that are."""
+    if source != "auto":
+        model = by_pair(served, source, target)
+        if model is None:
+            raise Problem(400, f"this server translates {describe_pairs(served)} only, not "
+                          f"{source} to {target}")
+        return [Route(model, source)] * len(texts)
+    if by_pair(served, source, target) is not None:  # any pair: nothing to detect among
+        return [Route(served[0], None)] * len(texts)
+    candidates = source_languages(served, target)
+    if not candidates:
+        raise Problem(400, f"this server translates {describe_pairs(served)} only: no source "
+                      f"language into {target}")
+    together = None
+    routes = []
+    for text in texts:
+        if len(candidates) == 1:
+            ranked = [(candidates[0], 100.0)]
+        elif len(text) > SHORT_TEXT:
+            ranked = detect(text, candidates)
+        else:
+            together = together or detect("\n".join(texts), candidates)
+            ranked = together
+        language, confidence = ranked[0]
+        routes.append(Route(by_pair(served, language, target), language,
+                            {"confidence": confidence, "language": language}))
+    return routes
+
+
+def libre_answer(asked: LibreRequest, outputs: list, routes: Sequence[Route]) -> dict:
+    """Each text's translation, the alternatives if asked for, and with source "auto" the
+    language detected (LibreTranslate's `detectedLanguage`). `outputs`: each text's
+    (`joined_outputs`)."""
+    translated = [output[0][1] for output in outputs]
+    others = [[text for _, text in output[1:asked.alternatives + 1]] for output in outputs]
     payload = {"translatedText": translated[0] if asked.single else translated}
     if asked.alternatives:
         payload["alternatives"] = others[0] if asked.single else others
+    detected = [route.detected for route in routes]
+    if asked.source == "auto" and None not in detected:
+        payload["detectedLanguage"] = detected[0] if asked.single else detected
     return payload
 
 
-def languages(langs: tuple[str, str] | None) -> list:
-    """GET /languages: the server's pair (none: any pair is accepted)."""
-    if langs is None:
-        return []
-    source, target = langs
-    return [{"code": source, "name": LANGUAGE_NAMES.get(source, source), "targets": [target]},
-            {"code": target, "name": LANGUAGE_NAMES.get(target, target), "targets": []}]
+def detect_request(fields: dict, options: ServeOptions) -> str:
+    """POST /detect's text (`q`: a string; a list is detected as one text), within
+    --char-limit."""
+    q = fields.get("q")
+    if not q:
+        raise Problem(400, "Invalid request: missing q parameter")
+    texts = [q] if isinstance(q, str) else q
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise Problem(400, "Invalid request: q must be a string or a list of strings")
+    check_char_limit(texts, options.char_limit)
+    check_unicode(texts, "q", isinstance(q, str))
+    return "\n".join(texts)
 
 
-def frontend_settings(options: ServeOptions, langs: tuple[str, str] | None) -> dict:
-    """GET /frontend/settings, what LibreTranslate's web page and extensions read."""
-    source, target = langs or ("auto", "")
-    return {"charLimit": options.max_line_chars, "frontendTimeout": 500,
+def detections(ranked: Sequence[tuple[str, float]]) -> list:
+    """LibreTranslate's answer to /detect: the candidates, best first."""
+    return [{"confidence": round(confidence, 2), "language": language}
+            for language, confidence in ranked]
+
+
+def languages(served: Sequence[Served]) -> list:
+    """GET /languages: each language served, as a source with its targets (a language that is
+    only a target has none), as LibreTranslate lists them. A server that takes any pair: []."""
+    targets: dict[str, list[str]] = {}
+    for model in served:
+        if model.langs is not None:
+            source, target = model.langs
+            targets.setdefault(source, []).append(target)
+            targets.setdefault(target, [])
+    return [{"code": code, "name": LANGUAGE_NAMES.get(code, code), "targets": to}
+            for code, to in targets.items()]
+
+
+def frontend_settings(options: ServeOptions, served: Sequence[Served]) -> dict:
+    """GET /frontend/settings, what LibreTranslate's web page and extensions read: the first
+    pair is the page's default."""
+    first = next((model.langs for model in served if model.langs is not None), None)
+    source, target = first or ("auto", "")
+    return {"charLimit": options.char_limit, "frontendTimeout": 500,
             "apiKeys": bool(options.api_key), "keyRequired": bool(options.api_key),
-            "suggestions": False, "filesTranslation": False, "supportedFilesFormat": [],
+            "suggestions": False, "filesTranslation": True,
+            "supportedFilesFormat": list(FILE_FORMATS),
             "language": {"source": {"code": source, "name": LANGUAGE_NAMES.get(source, source)},
                          "target": {"code": target,
                                     "name": LANGUAGE_NAMES.get(target, target)}}}
+
+
+# ------------------------------------------------- POST /translate_file, GET /download_file
+
+
+@dataclass(frozen=True)
+class FileRequest:
+    """A file to translate: its name as sent, its text (a UTF-8 byte order mark taken off, to
+    be put back), the pair."""
+
+    name: str
+    text: str
+    bom: bool
+    source: str
+    target: str
+
+
+def file_request(fields: dict, files: dict) -> FileRequest:
+    """/translate_file's form (LibreTranslate's: `file`, `source`, `target`, `api_key`): a
+    .txt file of UTF-8 text."""
+    if "file" not in files:
+        raise Problem(400, "Invalid request: missing file parameter")
+    for name in ("source", "target"):
+        if not isinstance(fields.get(name), str) or not fields[name]:
+            raise Problem(400, f"Invalid request: missing {name} parameter")
+    name, data = files["file"]
+    if not name:
+        raise Problem(400, "Invalid request: empty file (the file field has no filename)")
+    extension = os.path.splitext(name)[1].lower()
+    if extension not in FILE_FORMATS:
+        raise Problem(400, f"Invalid request: file format not supported: file {name!r}; this "
+                      f"server translates {', '.join(FILE_FORMATS)} files")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise Problem(400, f"file {name!r} is not valid UTF-8 (byte {error.start})") from None
+    bom = text.startswith("\ufeff")
+    return FileRequest(name, text[1:] if bom else text, bom, fields["source"], fields["target"])
+
+
+def download_name(name: str) -> str:
+    """A sent file's name as the name of its translation: its last path part, letters, digits,
+    '.', '-' and '_' only (what a URL path and a Content-Disposition carry unquoted)."""
+    base = re.sub(r"[^A-Za-z0-9._-]+", "_", name.replace("\\", "/").rsplit("/", 1)[-1])
+    base = base.lstrip("._") or "file"
+    stem, extension = os.path.splitext(base)
+    return f"{stem[:80] or 'file'}{extension.lower()}"
+
+
+# ------------------------------------------------------------------------------- multipart
+
+
+def multipart_fields(content_type: str, body: bytes) -> tuple[dict, dict]:
+    """A multipart/form-data body's fields (name → text) and files (name → (filename,
+    bytes)), read with the standard library's MIME parser (Starlette reads forms only with
+    python-multipart, which attn does not depend on for this). The parts' bytes are kept
+    exactly."""
+    from email import policy
+    from email.parser import BytesParser
+
+    if "\r" in content_type or "\n" in content_type:
+        raise Problem(400, "the Content-Type header holds a line break")
+    message = BytesParser(policy=policy.HTTP).parsebytes(
+        b"Content-Type: " + content_type.encode("latin-1", "replace") + b"\r\n\r\n" + body)
+    broken = [type(defect).__name__ for defect in message.defects]
+    if not message.is_multipart() or broken:
+        raise Problem(400, "the multipart body cannot be read"
+                      + (f" ({', '.join(broken)})" if broken else "")
+                      + ": send multipart/form-data with its boundary")
+    fields, files = {}, {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if not name:
+            continue  # not a form field
+        data = part.get_payload(decode=True) or b""
+        filename = part.get_filename()
+        if filename is not None:
+            files[name] = (filename, data)
+            continue
+        try:
+            fields[name] = data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise Problem(400, f"the form field {name!r} is not valid UTF-8 (byte "
+                          f"{error.start})") from None
+    return fields, files

@@ -3,11 +3,12 @@
 Every translation request becomes a `Job`; its non-empty lines wait in one queue, and search
 workers (threads, one torch thread each on a CPU, as `attn decode --workers`) take lines from it
 into token-budget batches. Lines of different requests share a batch when they ask for the same
-search settings; a worker that finds the queue idle waits a few milliseconds (the gathering
-window) for the requests that arrive together, and idle workers split what is waiting between
-them rather than one taking it all. A line's output depends only on the line and its settings
-(the search is independent of the batching, as in `attn decode`), so which lines shared a batch
-never shows in an answer.
+models (a server of several language pairs queues all their jobs here, so its workers are as
+many as the cores whatever the pairs) and the same search settings; a worker that finds the
+queue idle waits a few milliseconds (the gathering window) for the requests that arrive
+together, and idle workers split what is waiting between them rather than one taking it all.
+A line's output depends only on the line and its settings (the search is independent of the
+batching, as in `attn decode`), so which lines shared a batch never shows in an answer.
 
 The queue holds at most `capacity` lines: a request that does not fit is refused (`QueueFull`,
 the server's 503) instead of memory growing. A job whose client went away, or whose deadline
@@ -68,6 +69,13 @@ class Job:
         """Lines of jobs with equal settings may share a batch."""
         return self.translator.options
 
+    def shares_batches_with(self, other: Job) -> bool:
+        """Whether this job's lines may be searched in one batch with `other`'s: the same
+        models (a server of several language pairs has a translator for each, all behind one
+        queue) and equal settings."""
+        return (self.translator.model is other.translator.model
+                and self.translator.options == other.translator.options)
+
     @property
     def work(self) -> int:
         """The most output tokens its search may produce (`Translator.search_work`)."""
@@ -86,9 +94,13 @@ class RequestQueue:
     finish what is queued, then stops them."""
 
     def __init__(self, workers: int = 1, worker_threads: int = 1, capacity: int = 4096,
-                 window_s: float = 0.003):
+                 window_s: float = 0.003,
+                 on_batch: Callable[[int, int], None] | None = None):
         self.workers, self.worker_threads = workers, worker_threads
         self.capacity, self.window_s = capacity, window_s
+        # on_batch(lines, padded source tokens) as a worker takes each batch (the server's
+        # metrics): from the worker's thread, outside the lock; it must not raise.
+        self.on_batch = on_batch
         self._lines: deque[_Line] = deque()
         self._changed = threading.Condition()
         self._searching: list[list[_Line]] = []  # the batches being searched now
@@ -163,13 +175,15 @@ class RequestQueue:
             batch = self._take(*last)
             if batch is None:
                 return
+            if batch and self.on_batch is not None:
+                self.on_batch(len(batch), len(batch) * max(len(line.ids) for line in batch))
             started = time.perf_counter()
             self._search(batch)
             last = (len(batch), time.perf_counter() - started)
 
     def _take(self, last_lines: int, last_seconds: float) -> list[_Line] | None:
-        """The next batch: lines with the first waiting line's settings, within its token
-        budget and this worker's share of them; None once closing and nothing is left.
+        """The next batch: lines with the first waiting line's models and settings, within its
+        token budget and this worker's share of them; None once closing and nothing is left.
 
         How long to wait for more: an idle server, the gathering window from the first line's
         arrival; a busy one, also until as many lines wait as this worker's last batch had (its
@@ -196,15 +210,16 @@ class RequestQueue:
                     break
             if not self._lines:
                 return None if self._closing else []
-            settings = self._lines[0].job.settings
-            budget = settings.source_budget
-            alike = sum(1 for line in self._lines if line.job.settings == settings)
+            first = self._lines[0].job
+            budget = first.settings.source_budget
+            alike = sum(1 for line in self._lines if line.job.shares_batches_with(first))
             # Idle workers split what waits: two batches side by side beat one twice as big.
             share = math.ceil(alike / max(1, self.workers - len(self._searching)))
             batch, longest, kept = [], 0, deque()
             for line in self._lines:
                 room = fits(max(longest, len(line.ids)), len(batch) + 1, budget)
-                if line.job.settings == settings and len(batch) < share and (room or not batch):
+                if line.job.shares_batches_with(first) and len(batch) < share and (
+                        room or not batch):
                     batch.append(line)
                     longest = max(longest, len(line.ids))
                 else:

@@ -1,22 +1,31 @@
 """`attn serve`: the models loaded once, translating over HTTP (pip install 'attn[serve]').
 
 Endpoints (JSON in and out; errors are `{"error": "..."}` with a 4xx/5xx status):
-- `POST /v1/translate` `{"text": [lines], "model"?, "beam"?, "nbest"?, "alpha"?, "max_len_a"?,
-  "max_len_b"?, "stop"?, "sample"?, "topk"?, "topp"?, "temperature"?, "seed"?, "raw"?,
-  "scores"?}` → `{"model", "translations": [...], "scores"?: [...]}`: one output per line, in
-  order, an empty line for an empty line, the same text as `attn decode` with those options
-  (with nbest K > 1, each output is a list of K, as decode's K lines).
-- `GET /v1/models`, `GET /health` (200 once the model is loaded, 503 before).
+- `POST /v1/translate` `{"text": [lines], "model"? or "source"? and "target"?, "split"?,
+  "beam"?, "nbest"?, "alpha"?, "max_len_a"?, "max_len_b"?, "stop"?, "sample"?, "topk"?,
+  "topp"?, "temperature"?, "seed"?, "raw"?, "scores"?}` → `{"model", "translations": [...],
+  "scores"?: [...]}`: one output per line, in order, an empty line for an empty line, the same
+  text as `attn decode` with those options (with nbest K > 1, each output is a list of K, as
+  decode's K lines); `split: true` cuts each line into sentences (api.joined_outputs).
+- `GET /v1/models` (every model), `GET /health` (200 once every model is loaded, 503 before).
+- `GET /metrics` (Prometheus), the translation cache and --req-limit's 429: operations.py.
 - LibreTranslate's API, so its clients, apps and browser extensions work unchanged:
-  `POST /translate` (`q` a string or a list, `source`, `target`, `format`, `alternatives`,
-  `api_key`; JSON or a form) → `{"translatedText"}`, `GET /languages`, `GET /frontend/settings`.
+  `POST /translate` (`q` a string or a list, `source` (or "auto"), `target`, `format`,
+  `alternatives`, `api_key`; JSON or a form) → `{"translatedText", "alternatives"?,
+  "detectedLanguage"?}`, each text cut into sentences and joined again; `POST /detect`
+  (detect.py); `POST /translate_file` → `{"translatedFileUrl"}` and `GET /download_file/<name>`
+  (downloads.py); `GET /languages`, `GET /frontend/settings`.
+
+A server holds one model per language pair (`-m en-de=a.st -m de-en=b.st`, `model_groups`), each
+its own Translator, all behind one RequestQueue; requests pick theirs by `source` and `target`
+(or /v1/translate's `model`).
 
 The HTTP side runs on uvicorn's event loop, behind http.py's connection limits (the time and size
 of what a client sends, the number of connections); translation runs in
 `request_queue.RequestQueue`'s search workers, which batch the lines of requests arriving together.
-The server listens before the model is loaded (`/health` says when it is ready), answers SIGTERM by
-refusing new connections, finishing the requests it has, and exiting 0, and logs one line per
-request on stderr (id, method, path, status, lines, milliseconds). stdout stays empty.
+The server listens before the models are loaded (`/health` says when it is ready), answers
+SIGTERM by refusing new connections, finishing the requests it has, and exiting 0, and logs one
+line per request on stderr (id, method, path, status, lines, milliseconds). stdout stays empty.
 
 What a request may ask and what it is answered are api.py's pure functions. Here: the `Service`
 (the models, the queue, the search of a request's lines), the endpoints that read a request and
@@ -29,6 +38,7 @@ import asyncio
 import itertools
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -41,44 +51,113 @@ from ..errors import AttnError
 from ..formats import MODEL_FORMAT
 from . import api
 from .api import Problem
+from .downloads import FILE_SECONDS, Downloads
+from .operations import Operations
 
 EXTRA = "pip install 'attn[serve]'"
 KERNEL_CACHE = 128  # oneDNN kernels kept (see `tune_process`)
+# -m SOURCE-TARGET=FILE: letters only on each side, so that a path is seldom taken for a pair.
+PAIRED_MODEL = re.compile(r"([A-Za-z]{2,8})-([A-Za-z]{2,8})=(.+)")
+
+
+class Model:
+    """One model the server translates with (an ensemble: several files) and its pair:
+    `served`, as requests name it; `translator`, once loaded."""
+
+    def __init__(self, served: api.Served, paths: list[Path], metadata: dict):
+        self.served, self.paths, self.metadata = served, paths, metadata
+        self.translator = None
+
+
+def model_groups(values: list[str], options: ServeOptions) -> list[tuple]:
+    """`-m` values as the models of a server: (pair or None, files) each. `SOURCE-TARGET=FILE`
+    serves FILE for that pair, and the same pair again makes an ensemble of its files (`attn
+    decode`'s -m twice, per pair); plain FILEs are one model (an ensemble if several) whose
+    pair is --langs or its metadata's. A path that only looks like a pair is written ./en-de=x."""
+    paired, plain = {}, []
+    for value in values:
+        match = PAIRED_MODEL.fullmatch(value)
+        if match:
+            paired.setdefault((match[1], match[2]), []).append(Path(match[3]))
+        else:
+            plain.append(Path(value))
+    if paired and plain:
+        raise AttnError(f"-m {plain[0]} names no language pair, but other -m do: give each "
+                        "its pair (-m SOURCE-TARGET=FILE), or none (one model, or an ensemble)")
+    if paired and options.langs:
+        raise AttnError("--langs is the pair of a model given without one; here each -m names "
+                        "its pair (SOURCE-TARGET=FILE)")
+    if paired and options.name:
+        raise AttnError("--name is the id of a server's one model; with SOURCE-TARGET=FILE "
+                        "each model's id is its pair (en-de)")
+    return list(paired.items()) or [(None, plain)]
 
 
 class Service:
     """The models (loaded in the background), the queue, and the search behind the endpoints."""
 
-    def __init__(self, model_paths: list[Path], options: ServeOptions, load, log):
+    def __init__(self, groups: list[tuple], options: ServeOptions, load, log):
         from .. import stfile
 
-        self.paths, self.options, self.log = model_paths, options, log
-        self._load = load  # () → Translator, the slow part (torch, the weights)
-        # The headers now: a missing or wrong file is an error before the server listens.
-        headers = [stfile.read_attn_header(path, MODEL_FORMAT, "model file")
-                   for path in model_paths]
-        self.metadata = headers[0].metadata
-        self.model_id = options.name or "+".join(Path(path).stem for path in model_paths)
-        self.langs = options.langs or parse_langs(self.metadata.get("langs"))
-        self.translator = None  # set once loaded: the service is ready
-        self.queue = None
+        self.options, self.log = options, log
+        self._load = load  # (files) → Translator, the slow part (torch, the weights)
+        self.models: list[Model] = []
+        for langs, paths in groups:
+            # The headers now: a missing or wrong file is an error before the server listens.
+            headers = [stfile.read_attn_header(path, MODEL_FORMAT, "model file")
+                       for path in paths]
+            metadata = headers[0].metadata
+            if langs is None:
+                model_id = options.name or "+".join(Path(path).stem for path in paths)
+                langs = options.langs or parse_langs(metadata.get("langs"))
+            else:
+                model_id = "-".join(langs)
+                written = metadata.get("langs")
+                if written and written != model_id:  # told, not refused: -m says what it is
+                    log(f"serve: {paths[0]} says it translates {written}; serving it as "
+                        f"{model_id}, as -m says")
+            self.models.append(Model(api.Served(model_id, langs), paths, metadata))
+        self.served = [model.served for model in self.models]
+        self.by_id = {model.served.id: model for model in self.models}
+        self.model_id = ", ".join(self.by_id)  # what the log calls the models
+        self.detector = None  # detect.Detector, with two source languages or more
+        self.downloads = Downloads()  # /translate_file's translations
+        self.queue = None  # set once every model is loaded: the service is ready
         self.failure: str | None = None
         self.requests = itertools.count(1)
         self.lines_translated = 0
+        # /metrics, the translation cache and --req-limit (operations.py)
+        self.operations = Operations(options, lambda: self.queue)
+
+    @property
+    def ready(self) -> bool:
+        return self.queue is not None
 
     def load(self, stop) -> None:
-        """Load the models, warm the search up, start the workers; on failure, say why and
-        `stop()` the server."""
+        """Load the models (and the language detector), warm the search up, start the workers;
+        on failure, say why and `stop()` the server."""
         started = time.perf_counter()
         try:
             from .request_queue import RequestQueue
 
-            translator = self._load()
-            translator.search(translator.encode(["warm up"], 1))  # kernels made once, here
+            sources = api.source_languages(self.served)
+            if len(sources) > 1:
+                from .detect import Detector
+
+                self.detector = Detector(sources)
+            for model in self.models:
+                translator = self._load(model.paths)
+                translator.search(translator.encode(["warm up"], 1))  # kernels made once, here
+                model.translator = translator
             options = translator.options
+            # One queue for every model: its workers (as many as `attn decode` would run: the
+            # cores, on a CPU) search whichever pair's lines wait first, never mixing models in
+            # a batch (Job.shares_batches_with). A queue per pair would run that many workers
+            # per pair, overcommitting the cores whenever two pairs are busy, and split
+            # --queue-lines.
             self.queue = RequestQueue(options.workers, options.worker_threads,
-                                      self.options.queue_lines, self.options.gather_ms / 1000)
-            self.translator = translator
+                                      self.options.queue_lines, self.options.gather_ms / 1000,
+                                      self.operations.metrics.batch_formed)
         except Exception as error:  # told in one line; the server stops with status 2
             self.failure = str(error) if isinstance(error, AttnError) else repr(error)
             stop()
@@ -91,65 +170,89 @@ class Service:
     def close(self) -> None:
         if self.queue is not None:
             self.queue.close()
+        self.downloads.close()
 
     @property
     def default_beam(self) -> int:
         """The beam of a request that asks for none (1 while loading: then refused anyway)."""
-        return self.translator.options.beam if self.translator is not None else 1
+        return self.models[0].translator.options.beam if self.ready else 1
 
-    async def translate(self, lines: list[str], settings: dict, client_gone,
-                        name: str = "request"):
-        """The job of `lines` searched with `settings` (DecodeOptions fields), once every line
-        has its output: refused (422) before any search if its work is over
-        --max-request-tokens, cancelled if its client goes away first (`client_gone()`
-        returns: 499) or --request-timeout passes (504). `name` names the request in
-        warnings."""
-        if self.translator is None:
-            raise Problem(503, "the model is still loading (GET /health says when it is ready)",
-                          {"Retry-After": "1"})
+    def detect(self, text: str, candidates: list[str]) -> list[tuple[str, float]]:
+        """`candidates` (source languages served) ranked for `text`, confidence 0-100."""
+        if self.detector is None:  # one source language: it
+            return [(code, 100.0) for code in candidates]
+        return self.detector.rank(text, candidates)
+
+    async def translate(self, parts: list[tuple[api.Served, list[str]]], settings: dict,
+                        client_gone, name: str = "request") -> list:
+        """The jobs of a request, one per model it needs (`parts`: each model with its lines),
+        searched with `settings` (DecodeOptions fields), once every line has its output:
+        refused (422) before any search if their work together is over --max-request-tokens,
+        cancelled if the client goes away first (`client_gone()` returns: 499) or
+        --request-timeout passes (504). `name` names the request in warnings."""
+        if not self.ready:
+            raise Problem(503, "the models are still loading (GET /health says when they are "
+                          "ready)", {"Retry-After": "1"})
         from ..translate import OutOfRange  # torch: never before `tune_process`
         from .request_queue import Job, QueueFull
 
-        try:
-            translator = self.translator.with_options(**settings)
-        except OutOfRange as error:  # DecodeOptions' ranges, naming the JSON field
-            raise Problem(422, f"{error.field} {error.rule}") from None
-        except AttnError as error:  # the settings that go together
-            raise Problem(422, str(error)) from None
         loop = asyncio.get_running_loop()
-        answered = loop.create_future()
+        jobs, answers, lookups = [], [], []
+        for served, lines in parts:
+            try:
+                translator = self.by_id[served.id].translator.with_options(**settings)
+            except OutOfRange as error:  # DecodeOptions' ranges, naming the JSON field
+                raise Problem(422, f"{error.field} {error.rule}") from None
+            except AttnError as error:  # the settings that go together
+                raise Problem(422, str(error)) from None
+            answered = loop.create_future()
 
-        def done(job) -> None:  # from a search worker
-            loop.call_soon_threadsafe(_resolve, answered, job)
+            def done(job, answered=answered) -> None:  # from a search worker
+                loop.call_soon_threadsafe(_resolve, answered, job)
 
-        job = Job(lines, translator, done, name=name)
-        api.check_work(job.work, self.options.max_request_tokens)
+            cached = self.operations.look_up(translator, lines)  # those found are not searched
+            jobs.append(Job(cached.to_search, translator, done, name=name))
+            answers.append(answered)
+            lookups.append(cached)
+        api.check_work(sum(job.work for job in jobs), self.options.max_request_tokens)
+        submitted = []
         try:
-            self.queue.submit(job)
+            for job in jobs:
+                self.queue.submit(job)
+                submitted.append(job)
         except QueueFull as error:
+            for job in submitted:
+                self.queue.cancel(job)
             raise Problem(503, f"the server is busy ({error}): try again shortly",
                           {"Retry-After": "1"}) from None
-        await self._answered(job, answered, client_gone)
-        if job.error is not None:
-            raise Problem(500, f"the search failed: {job.error}")
-        self.lines_translated += len(lines)
-        return job
+        await self._answered(jobs, answers, client_gone)
+        failed = next((job.error for job in jobs if job.error is not None), None)
+        if failed is not None:
+            raise Problem(500, f"the search failed: {failed}")
+        for cached, job in zip(lookups, jobs):
+            self.operations.answered(cached, job)
+        self.lines_translated += sum(len(lines) for _, lines in parts)
+        return jobs
 
-    async def _answered(self, job, answered, client_gone) -> None:
-        """Until `answered` is; if the client goes away or the deadline passes first, or this
-        task is cancelled, the job is called off (`RequestQueue.cancel`: its lines stop costing
-        within a search step) and the request refused."""
+    async def _answered(self, jobs: list, answers: list, client_gone) -> None:
+        """Until every job is answered; if the client goes away or the deadline passes first,
+        or this task is cancelled, the jobs are called off (`RequestQueue.cancel`: their lines
+        stop costing within a search step) and the request refused."""
         gone = asyncio.ensure_future(client_gone())
+        every = asyncio.gather(*answers)
         timeout = self.options.request_timeout
         try:
-            await asyncio.wait({answered, gone}, timeout=timeout,
+            await asyncio.wait({every, gone}, timeout=timeout,
                                return_when=asyncio.FIRST_COMPLETED)
             client_left = gone.done()
         finally:
             gone.cancel()
-            if not answered.done():
-                self.queue.cancel(job)
-        if answered.done():
+            for job, answered in zip(jobs, answers):
+                if not answered.done():
+                    self.queue.cancel(job)
+            if not every.done():
+                every.cancel()
+        if every.done() and not every.cancelled():
             return
         if client_left:
             raise Problem(499, "the client went away")
@@ -157,14 +260,14 @@ class Service:
                       "(--request-timeout): send fewer lines, or ask for a smaller beam or "
                       "max_len_b")
 
-    def describe(self) -> dict:
-        """The model as /v1/models lists it."""
-        config = ModelConfig.from_json(self.metadata["config"])
-        options = self.translator.options if self.translator is not None else None
-        return {"id": self.model_id, "object": "model", "ready": self.translator is not None,
-                "files": [str(path) for path in self.paths],
-                "source": self.langs[0] if self.langs else None,
-                "target": self.langs[1] if self.langs else None,
+    def describe(self, model: Model) -> dict:
+        """A model as /v1/models lists it."""
+        config = ModelConfig.from_json(model.metadata["config"])
+        options = model.translator.options if model.translator is not None else None
+        langs = model.served.langs
+        return {"id": model.served.id, "object": "model", "ready": model.translator is not None,
+                "files": [str(path) for path in model.paths],
+                "source": langs[0] if langs else None, "target": langs[1] if langs else None,
                 "config": {key: getattr(config, key) for key in
                            ("d_model", "d_ff", "heads", "encoder_layers", "decoder_layers",
                             "src_vocab_size", "tgt_vocab_size")},
@@ -173,6 +276,7 @@ class Service:
                  "max_len_b": options.max_len_b, "stop": options.stop.value},
                 "limits": {"max_lines": self.options.max_lines,
                            "max_line_chars": self.options.max_line_chars,
+                           "char_limit": self.options.char_limit,
                            "max_body_bytes": self.options.max_body,
                            "max_beam": self.options.max_beam,
                            "max_request_tokens": self.options.max_request_tokens,
@@ -191,10 +295,12 @@ def _resolve(future, job) -> None:
 
 async def health(request):
     service = request.app.state.service
-    if service.translator is None:
-        return answer({"status": "loading", "model": service.model_id}, 503,
+    loaded = {model.served.id: "ok" if model.translator is not None else "loading"
+              for model in service.models}
+    if not service.ready:
+        return answer({"status": "loading", "model": service.model_id, "models": loaded}, 503,
                       {"Retry-After": "1"})
-    return answer({"status": "ok", "model": service.model_id,
+    return answer({"status": "ok", "model": service.model_id, "models": loaded,
                    "queued_lines": service.queue.waiting,
                    "searching_lines": service.queue.searching})
 
@@ -202,55 +308,138 @@ async def health(request):
 async def models(request):
     service = request.app.state.service
     api.check_key(service.options.api_key, request.headers)
-    return answer({"object": "list", "data": [service.describe()]})
+    return answer({"object": "list", "data": [service.describe(model)
+                                              for model in service.models]})
 
 
 async def translate_v1(request):
     service = request.app.state.service
     fields = api.json_fields(await read_body(request, service.options.max_body))
     api.check_key(service.options.api_key, request.headers, fields)
-    asked = api.v1_request(fields, service.options, service.model_id)
-    job = await _search(request, asked.lines, asked.settings)
-    return answer(api.v1_answer(service.model_id, asked, job.outputs,
-                                job.translator.options.nbest))
+    asked = api.v1_request(fields, service.options, service.served)
+    if asked.split:
+        source = asked.model.langs[0] if asked.model.langs else None
+        routes = [api.Route(asked.model, source)] * len(asked.lines)
+        split = api.split_sentences(asked.lines, [source] * len(asked.lines), service.options,
+                                    "text", asked.single)
+        outputs, nbest = await _translate_split(request, split, routes, asked.settings)
+    else:
+        (job,) = await _search(request, [(asked.model, asked.lines)], asked.settings)
+        outputs, nbest = job.outputs, job.translator.options.nbest
+    return answer(api.v1_answer(asked.model.id, asked, outputs, nbest))
 
 
+def libre_statuses(handler):
+    """LibreTranslate answers every bad value 400 (its clients look for that), where
+    /v1/translate tells a body that does not parse (400) from a value out of bounds (422)."""
+    async def handle(request):
+        try:
+            return await handler(request)
+        except Problem as problem:
+            if problem.status == 422:
+                raise Problem(400, problem.message, problem.headers) from None
+            raise
+    return handle
+
+
+@libre_statuses
 async def translate_libre(request):
+    """Each text of `q` cut into sentences, which are searched as the lines of the request
+    (in batches with other requests' lines), and joined again with the text's own spacing."""
     service = request.app.state.service
     body = await read_body(request, service.options.max_body)
-    try:
-        fields = api.libre_fields(request.headers.get("content-type", ""), body)
-        api.check_key(service.options.api_key, request.headers, fields)
-        asked = api.libre_request(fields, service.options, service.langs, service.default_beam)
-        job = await _search(request, asked.lines, asked.settings)
-    except Problem as problem:
-        # LibreTranslate answers every bad value 400 (its clients look for that), where
-        # /v1/translate tells a body that does not parse (400) from a value out of bounds (422).
-        if problem.status == 422:
-            raise Problem(400, problem.message, problem.headers) from None
-        raise
-    return answer(api.libre_answer(asked, job.outputs))
+    fields = api.libre_fields(request.headers.get("content-type", ""), body)
+    api.check_key(service.options.api_key, request.headers, fields)
+    asked = api.libre_request(fields, service.options, service.default_beam)
+    routes = api.libre_routes(asked.texts, asked.source, asked.target, service.served,
+                              service.detect)
+    split = api.split_sentences(asked.texts, [route.source for route in routes],
+                                service.options, "q", asked.single)
+    outputs, _ = await _translate_split(request, split, routes, asked.settings)
+    return answer(api.libre_answer(asked, outputs, routes))
+
+
+@libre_statuses
+async def detect(request):
+    service = request.app.state.service
+    body = await read_body(request, service.options.max_body)
+    fields = api.libre_fields(request.headers.get("content-type", ""), body)
+    api.check_key(service.options.api_key, request.headers, fields)
+    text = api.detect_request(fields, service.options)
+    candidates = api.source_languages(service.served)
+    if not candidates:
+        raise Problem(400, "this server does not know the language it translates from "
+                      "(attn serve --langs, or -m SOURCE-TARGET=FILE): it cannot detect")
+    if not service.ready:
+        raise Problem(503, "the models are still loading (GET /health says when they are "
+                      "ready)", {"Retry-After": "1"})
+    return answer(api.detections(service.detect(text, candidates)))
+
+
+@libre_statuses
+async def translate_file(request):
+    """A .txt file translated as one text of /translate (sentence by sentence, its line
+    breaks and spacing kept), answered with the URL to download the translation from."""
+    service = request.app.state.service
+    body = await read_body(request, service.options.max_body)
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() != "multipart/form-data":
+        raise Problem(400, "Invalid request: send the file as multipart/form-data (fields "
+                      "file, source, target)")
+    fields, files = api.multipart_fields(content_type, body)
+    api.check_key(service.options.api_key, request.headers, fields)
+    asked = api.file_request(fields, files)
+
+    def prepare():  # a file may be long: detected and split off the event loop
+        routes = api.libre_routes([asked.text], asked.source, asked.target, service.served,
+                                  service.detect)
+        return routes, api.split_sentences([asked.text], [routes[0].source], service.options,
+                                           "file", True)
+
+    routes, split = await asyncio.to_thread(prepare)
+    outputs, _ = await _translate_split(request, split, routes, {})
+    translated = ("\ufeff" if asked.bom else "") + outputs[0][0][1]
+    stored = await asyncio.to_thread(service.downloads.add, api.download_name(asked.name),
+                                     translated.encode("utf-8"))
+    return answer({"translatedFileUrl": f"{request.base_url}download_file/{stored}"})
+
+
+async def download_file(request):
+    found = await asyncio.to_thread(request.app.state.service.downloads.get,
+                                    request.path_params["name"])
+    if found is None:
+        raise Problem(404, "no such file: a translated file is kept for "
+                      f"{FILE_SECONDS / 60:g} minutes after POST /translate_file answers its "
+                      "URL")
+    data, name = found
+    from starlette.responses import Response
+
+    return Response(data, 200, {"Content-Disposition": f'attachment; filename="{name}"'},
+                    media_type="text/plain; charset=utf-8")
 
 
 async def languages(request):
-    return answer(api.languages(request.app.state.service.langs))
+    return answer(api.languages(request.app.state.service.served))
 
 
 async def frontend_settings(request):
     service = request.app.state.service
-    return answer(api.frontend_settings(service.options, service.langs))
+    return answer(api.frontend_settings(service.options, service.served))
 
 
 async def not_found(request, exc):
     status = getattr(exc, "status_code", 404)
     message = ("no such endpoint (POST /v1/translate, GET /v1/models, GET /health, POST "
-               "/translate, GET /languages)" if status == 404 else
+               "/translate, POST /detect, POST /translate_file, GET /languages)"
+               if status == 404 else
                f"{request.method} is not allowed here" if status == 405 else str(exc))
     return answer({"error": message}, status)
 
 
 ROUTES = [("/health", health, ["GET"]), ("/v1/models", models, ["GET"]),
           ("/v1/translate", translate_v1, ["POST"]), ("/translate", translate_libre, ["POST"]),
+          ("/detect", detect, ["POST"]), ("/translate_file", translate_file, ["POST"]),
+          ("/download_file/{name}", download_file, ["GET"]),
           ("/languages", languages, ["GET", "POST"]),
           ("/frontend/settings", frontend_settings, ["GET"])]
 
@@ -265,7 +454,8 @@ def build_app(service: Service):
     application = Starlette(routes=routes, exception_handlers={404: not_found,
                                                                405: not_found})
     application.state.service = service
-    return RequestLog(application, service)
+    paths = [route.path for route in routes]
+    return RequestLog(service.operations.middleware(application, paths), service)
 
 
 def endpoint(handler):
@@ -311,12 +501,24 @@ async def read_body(request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _search(request, lines: list[str], settings: dict):
-    """The service's job for a request's lines (counted in its log line), cancelled if its
-    client goes away."""
-    request.state.lines = len(lines)
+async def _search(request, parts: list[tuple[api.Served, list[str]]], settings: dict) -> list:
+    """The service's jobs for a request's lines (`parts`: each model's; counted in its log
+    line), cancelled if its client goes away."""
+    request.state.lines = sum(len(lines) for _, lines in parts)
     return await request.app.state.service.translate(
-        lines, settings, lambda: _client_gone(request), name=f"serve: request #{request.state.id}")
+        parts, settings, lambda: _client_gone(request), name=f"serve: request #{request.state.id}")
+
+
+async def _translate_split(request, split, routes: list[api.Route], settings: dict
+                           ) -> tuple[list, int]:
+    """Texts cut into sentences (`split`), each text's sentences searched by its route's
+    model, all in one request's jobs: each text's outputs (`api.joined_outputs`) and nbest."""
+    groups = api.grouped(routes)
+    jobs = await _search(request, [(model, api.group_sentences(split, texts))
+                                   for model, texts in groups], settings)
+    nbest = jobs[0].translator.options.nbest if jobs else settings.get("nbest", 1)
+    outputs = api.regrouped(split, groups, [job.outputs for job in jobs])
+    return api.joined_outputs(split, outputs, nbest), nbest
 
 
 async def _client_gone(request) -> None:
@@ -376,17 +578,25 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(model_paths: list[Path], options: ServeOptions, load, log) -> None:
-    """Serve until SIGTERM or Ctrl-C. `load()` makes the Translator (in the background)."""
+def serve(model_values: list[str], options: ServeOptions, load, log) -> None:
+    """Serve until SIGTERM or Ctrl-C. `model_values`: the -m values (`model_groups`);
+    `load(files)` makes a model's Translator (in the background)."""
     try:
         import httptools  # noqa: F401
+        import prometheus_client  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn
     except ImportError:
         raise AttnError(f"attn serve needs its web server: {EXTRA}") from None
     from .http import LINGER, Connections, allow_open_files
 
-    service = Service(model_paths, options, load, log)
+    service = Service(model_groups(model_values, options), options, load, log)
+    if len(api.source_languages(service.served)) > 1:
+        try:
+            import py3langid  # noqa: F401
+        except ImportError:
+            raise AttnError("serving several source languages needs py3langid (source "
+                            f"'auto', /detect): {EXTRA}") from None
     allow_open_files(options.max_connections)
     sock = listening_socket(options.host, options.port)
     # uvicorn's HTTP protocol behind http.py's guard, which holds the connection limits (the

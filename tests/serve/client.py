@@ -135,6 +135,20 @@ async def request(host: str, port: int, method: str, path: str, payload=None,
     return status, json.loads(answer) if answer else None
 
 
+def multipart(fields: dict[str, str], files: dict[str, tuple[str, bytes]] | None = None,
+              boundary: str = "attn-form-boundary-7MA4YWxkTrZu0gW") -> tuple[str, bytes]:
+    """(Content-Type, body) of a multipart/form-data form, as browsers and `curl -F` send one:
+    text fields, then files (name → (filename, bytes))."""
+    parts = [b'Content-Disposition: form-data; name="%s"\r\n\r\n%s'
+             % (name.encode(), value.encode()) for name, value in fields.items()]
+    parts += [b'Content-Disposition: form-data; name="%s"; filename="%s"\r\nContent-Type: '
+              b"text/plain\r\n\r\n%s" % (name.encode(), filename.encode(), data)
+              for name, (filename, data) in (files or {}).items()]
+    delimiter = b"--" + boundary.encode()
+    body = b"".join(delimiter + b"\r\n" + part + b"\r\n" for part in parts) + delimiter + b"--\r\n"
+    return f"multipart/form-data; boundary={boundary}", body
+
+
 async def run_clients(host: str, port: int, lines: list[str], clients: int,
                       fields: dict | None = None) -> dict:
     """`clients` connections sending `lines` one request per line, each the next line as soon

@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,9 +20,17 @@ from attn_cli.formats import Stop
 from attn_cli.search import Hypothesis
 from attn_cli.serve import api
 from attn_cli.serve.api import Problem
+from attn_cli.serve.downloads import Downloads
+from attn_cli.serve.server import model_groups
 from attn_cli.translate import NOT_FOUND, RANGES, DecodeOptions
 
-OPTIONS = ServeOptions(max_lines=4, max_line_chars=20, max_beam=8)
+from .client import multipart
+
+OPTIONS = ServeOptions(max_lines=4, max_line_chars=20, max_beam=8, char_limit=60)
+ONE = [api.Served("m", ("en", "de"))]
+ANY = [api.Served("m", None)]  # a server whose model's pair is not known: any pair accepted
+PAIRS = [api.Served("en-de", ("en", "de")), api.Served("de-en", ("de", "en")),
+         api.Served("fr-de", ("fr", "de"))]
 
 
 def refused(call, *args) -> tuple[int, str]:
@@ -103,8 +113,10 @@ def test_libre_fields_a_form_or_json():
     assert api.libre_fields(form, b' {"q": "a"}') == {"q": "a"}  # curl -d's label, JSON inside
     assert api.libre_fields("application/json", b'{"q": ["a"]}') == {"q": ["a"]}
     assert api.libre_fields("", b"  ") == {}
-    assert refused(api.libre_fields, "multipart/form-data; boundary=x", b"") == (
-        415, "send JSON or application/x-www-form-urlencoded, not multipart")
+    content_type, body = multipart({"q": "Grüße. Zwei", "source": "de"})
+    assert api.libre_fields(content_type, body) == {"q": "Grüße. Zwei", "source": "de"}
+    status, message = refused(api.libre_fields, "multipart/form-data; boundary=x", b"")
+    assert status == 400 and message.startswith("the multipart body cannot be read")
     status, message = refused(api.libre_fields, form, b"q=%FF")
     assert status == 400 and message.startswith("the form is not valid UTF-8")
 
@@ -192,36 +204,66 @@ def test_check_work_names_the_limit_and_what_to_lower():
 
 
 def test_v1_request():
-    asked = api.v1_request({"text": ["a", ""], "beam": 2, "scores": True}, OPTIONS, "m")
-    assert asked == api.V1Request(["a", ""], {"beam": 2}, single=False, scores=True)
-    asked = api.v1_request({"text": "a", "model": "m", "api_key": "k"}, OPTIONS, "m")
-    assert asked == api.V1Request(["a"], {}, single=True, scores=False)
+    asked = api.v1_request({"text": ["a", ""], "beam": 2, "scores": True}, OPTIONS, ONE)
+    assert asked == api.V1Request(["a", ""], {"beam": 2}, single=False, scores=True,
+                                  model=ONE[0])
+    asked = api.v1_request({"text": "a", "model": "m", "api_key": "k", "split": True}, OPTIONS,
+                           ONE)
+    assert asked == api.V1Request(["a"], {}, single=True, scores=False, model=ONE[0],
+                                  split=True)
 
 
-@pytest.mark.parametrize("fields, status, message", [
-    ({"txt": ["a"]}, 422, "unknown field 'txt' (fields: alpha, beam, max_len_a, max_len_b, "
-                          "model, nbest, raw, sample, scores, seed, stop, temperature, text, "
-                          "topk, topp)"),
-    ({"text": ["a"], "model": "other"}, 404, "unknown model 'other': this server has 'm' "
-                                             "(GET /v1/models)"),
-    ({"beam": 2}, 422, "the body needs a 'text' field: a list of lines"),
-    ({"text": {"a": 1}}, 422, "text must be a list of strings, not an object"),
-    ({"text": [1]}, 422, "text[0] must be a string, not a number"),
-    ({"text": ["a"], "scores": "yes"}, 422, "scores must be true or false, not a string"),
-    ({"text": ["a"], "model": ["m"]}, 422, "model must be a string, not an array"),
-    ({"text": ["a"], "beam": 99}, 422, "beam 99 is above this server's limit of 8 (--max-beam)"),
+def test_v1_request_picks_a_model_by_id_or_pair():
+    def picked(fields, served=PAIRS):
+        return api.v1_request({"text": ["a"], **fields}, OPTIONS, served).model.id
+
+    assert picked({"model": "de-en"}) == "de-en"
+    assert picked({"source": "de", "target": "en"}) == "de-en"
+    assert picked({"model": "fr-de", "source": "fr", "target": "de"}) == "fr-de"
+    assert picked({"model": None, "source": None, "target": None}, ONE) == "m"
+    assert picked({"source": "xx", "target": "yy"}, ANY) == "m"  # any pair
+
+
+@pytest.mark.parametrize("fields, served, status, message", [
+    ({"txt": ["a"]}, ONE, 422, "unknown field 'txt' (fields: alpha, beam, max_len_a, max_len_b, "
+                               "model, nbest, raw, sample, scores, seed, source, split, stop, "
+                               "target, temperature, text, topk, topp)"),
+    ({"text": ["a"], "model": "other"}, ONE, 404, "unknown model 'other': this server has 'm' "
+                                                  "(GET /v1/models)"),
+    ({"text": ["a"], "model": "x"}, PAIRS, 404, "unknown model 'x': this server has 'en-de', "
+                                                "'de-en', 'fr-de' (GET /v1/models)"),
+    ({"text": ["a"]}, PAIRS, 422, "this server has several models ('en-de', 'de-en', 'fr-de'): "
+                                  "name one with model, or source and target"),
+    ({"text": ["a"], "source": "en"}, PAIRS, 422, "source and target go together: name both, "
+                                                  "or name the model"),
+    ({"text": ["a"], "source": "en", "target": "fr"}, PAIRS, 404,
+     "no model translates en to fr: this server translates en to de, de to en, fr to de "
+     "(GET /v1/models)"),
+    ({"text": ["a"], "model": "en-de", "source": "de", "target": "en"}, PAIRS, 422,
+     "model 'en-de' does not translate de to en: name one or the other"),
+    ({"text": ["a"], "source": 1, "target": "de"}, PAIRS, 422,
+     "source must be a string, not a number"),
+    ({"text": ["a"], "target": ["de"]}, PAIRS, 422, "target must be a string, not an array"),
+    ({"beam": 2}, ONE, 422, "the body needs a 'text' field: a list of lines"),
+    ({"text": {"a": 1}}, ONE, 422, "text must be a list of strings, not an object"),
+    ({"text": [1]}, ONE, 422, "text[0] must be a string, not a number"),
+    ({"text": ["a"], "scores": "yes"}, ONE, 422, "scores must be true or false, not a string"),
+    ({"text": ["a"], "split": 1}, ONE, 422, "split must be true or false, not a number"),
+    ({"text": ["a"], "model": ["m"]}, ONE, 422, "model must be a string, not an array"),
+    ({"text": ["a"], "beam": 99}, ONE, 422, "beam 99 is above this server's limit of 8 "
+                                            "(--max-beam)"),
 ])
-def test_v1_request_refusals(fields, status, message):
-    assert refused(api.v1_request, fields, OPTIONS, "m") == (status, message)
+def test_v1_request_refusals(fields, served, status, message):
+    assert refused(api.v1_request, fields, OPTIONS, served) == (status, message)
 
 
 def test_v1_answers_one_output_per_line_and_k_with_nbest():
-    lines = api.V1Request(["a", "b"], {}, single=False, scores=False)
+    lines = api.V1Request(["a", "b"], {}, single=False, scores=False, model=ONE[0])
     outputs = [output(("A", -0.5)), output(("B", -1.0))]
     assert api.v1_answer("m", lines, outputs, 1) == {"model": "m", "translations": ["A", "B"]}
     with_scores = dataclasses.replace(lines, scores=True)
     assert api.v1_answer("m", with_scores, outputs, 1)["scores"] == [-0.5, -1.0]
-    one = api.V1Request(["a"], {}, single=True, scores=True)
+    one = api.V1Request(["a"], {}, single=True, scores=True, model=ONE[0])
     assert api.v1_answer("m", one, outputs[:1], 1) == {"model": "m", "translations": "A",
                                                        "scores": -0.5}
     # nbest 3: always 3 per line, those not found empty with no score (JSON has no -inf)
@@ -233,19 +275,69 @@ def test_v1_answers_one_output_per_line_and_k_with_nbest():
     assert json.loads(json.dumps(answer)) == answer
 
 
+# ------------------------------------------------------------------------------- sentences
+
+
+def test_split_sentences_within_the_limits():
+    split = api.split_sentences(["A dog runs. A cat sleeps.", "  ", "Zwei Hunde.\nJa."],
+                                ["en", None, "x y"], OPTIONS, "q", False)  # "x y": English's
+    assert [paragraph.sentences for paragraph in split.paragraphs] == [
+        ("A dog runs.", "A cat sleeps."), (), ("Zwei Hunde.", "Ja.")]
+    assert split.paragraphs[1].spacing == ("  ",)
+    assert refused(api.split_sentences, ["Go. Run. Eat.", "Sit. Stay."], [None] * 2, OPTIONS, "q",
+                   False) == (422, "q holds 5 sentences; this server searches at most 4 in "
+                                   "one request (--max-lines)")
+    assert refused(api.split_sentences, ["Ok.", "A dog runs on the green grass."], [None] * 2,
+                   OPTIONS, "q", False) == (
+        422, "q[1] holds a sentence of 30 characters; this server takes at most 20 "
+             "(--max-line-chars)")
+    assert refused(api.split_sentences, ["A dog runs on the green grass."], [None], OPTIONS,
+                   "text", True)[1].startswith("text holds a sentence of 30 characters")
+
+
+def test_joined_outputs_keep_every_sentence_and_the_spacing():
+    """Output k joins each sentence's k-th best, or its best where fewer were found; the score
+    is the sum; a text of whitespace alone is itself."""
+    split = api.split_sentences(["One.  Two.\n", " "], ["en"] * 2, OPTIONS, "q", False)
+    outputs = [output(("Eins.", -1.0), ("Ein.", -2.0)) + [(NOT_FOUND, "")],
+               output(("Zwei.", -0.5)) + [(NOT_FOUND, "")] * 2]
+    joined = api.joined_outputs(split, outputs, 3)
+    assert [[(hypothesis.score, text) for hypothesis, text in texts] for texts in joined] == [
+        [(-1.5, "Eins.  Zwei.\n"), (-2.5, "Ein.  Zwei.\n"), (-1.5, "Eins.  Zwei.\n")],
+        [(0.0, " ")] * 3]
+    v1 = api.V1Request(["One.  Two.\n", " "], {}, single=False, scores=True, model=ONE[0],
+                       split=True)
+    assert api.v1_answer("m", v1, joined, 3)["scores"] == [[-1.5, -2.5, -1.5], [0.0] * 3]
+
+
+def test_sentences_of_several_models_are_grouped_and_put_back_in_order():
+    split = api.split_sentences(["Go. Run.", "Eat.", "Sit. Stay."], [None] * 3,
+                                ServeOptions(max_lines=10), "q", False)
+    en_de, de_en = PAIRS[:2]
+    groups = api.grouped([api.Route(en_de, "en"), api.Route(de_en, "de"),
+                          api.Route(en_de, "en")])
+    assert groups == [(en_de, [0, 2]), (de_en, [1])]
+    lines = [api.group_sentences(split, texts) for _, texts in groups]
+    assert lines == [["Go.", "Run.", "Sit.", "Stay."], ["Eat."]]
+    outputs = [[output((line.upper(), -1.0)) for line in group] for group in lines]
+    assert [found[0][1] for found in api.regrouped(split, groups, outputs)] == [
+        "GO.", "RUN.", "EAT.", "SIT.", "STAY."]
+
+
 # ----------------------------------------------------------------- POST /translate (LibreTranslate)
 
 
 def test_libre_request():
     fields = {"q": "one\r\ntwo", "source": "auto", "target": "de"}
-    asked = api.libre_request(fields, OPTIONS, ("en", "de"), 4)
-    assert asked.texts == [["one", "two"]] and asked.lines == ["one", "two"]
-    assert asked.single and asked.settings == {} and asked.alternatives == 0
-    asked = api.libre_request({**fields, "q": ["a", "b"], "alternatives": "2"}, OPTIONS, None, 1)
-    assert not asked.single and asked.texts == [["a"], ["b"]]
+    assert api.libre_request(fields, OPTIONS, 4) == api.LibreRequest(
+        ["one\r\ntwo"], "auto", "de", {}, 0, single=True)
+    asked = api.libre_request({**fields, "q": ["a", "b"], "alternatives": "2"}, OPTIONS, 1)
+    assert not asked.single and asked.texts == ["a", "b"]
     assert asked.settings == {"nbest": 3, "beam": 3}  # a beam at least as wide as the outputs
-    asked = api.libre_request({**fields, "alternatives": 2}, OPTIONS, None, 4)
+    asked = api.libre_request({**fields, "alternatives": 2}, OPTIONS, 4)
     assert asked.settings == {"nbest": 3, "beam": 4}
+    unlimited = dataclasses.replace(OPTIONS, char_limit=-1)
+    assert api.libre_request({**fields, "q": "a" * 1000}, unlimited, 4).texts == ["a" * 1000]
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -254,12 +346,16 @@ def test_libre_request():
     ({"q": "a", "source": "en", "target": ""}, "Invalid request: missing target parameter"),
     ({"q": "a", "source": "en", "target": "de", "format": "html"},
      "format 'html' is not supported: attn translates plain text (format 'text')"),
-    ({"q": "a", "source": "fr", "target": "de"}, "this server translates en to de only, not fr "
-                                                 "to de"),
-    ({"q": "a", "source": "en", "target": "fr"}, "this server translates en to de only, not en "
-                                                 "to fr"),
     ({"q": ["a", 1], "source": "en", "target": "de"},
      "Invalid request: q must be a string or a list of strings"),
+    ({"q": "a" * 61, "source": "en", "target": "de"},
+     "Invalid request: request (61 characters) exceeds text limit (60, this server's "
+     "--char-limit)"),
+    ({"q": ["a" * 30, "b" * 31], "source": "en", "target": "de"},
+     "Invalid request: request (61 characters) exceeds text limit (60, this server's "
+     "--char-limit)"),
+    ({"q": ["a", "b\ud800"], "source": "en", "target": "de"},
+     "q[1] is not valid Unicode (an unpaired surrogate at character 1)"),
     ({"q": "a", "source": "en", "target": "de", "alternatives": "x"},
      "Invalid request: alternatives must be an integer"),
     ({"q": "a", "source": "en", "target": "de", "alternatives": 8},
@@ -278,37 +374,188 @@ def test_libre_request():
      "Invalid request: alternatives must be 0 to 7"),
 ])
 def test_libre_request_refusals(fields, message):
-    assert refused(api.libre_request, fields, OPTIONS, ("en", "de"), 4) == (400, message)
+    assert refused(api.libre_request, fields, OPTIONS, 4) == (400, message)
 
 
-def test_libre_request_checks_the_lines_of_its_texts():
-    fields = {"q": "a\nb\nc\nd\ne", "source": "en", "target": "de"}
-    assert refused(api.libre_request, fields, OPTIONS, None, 4) == (
-        422, "5 lines in one request; this server takes at most 4 (--max-lines)")
+def test_libre_routes_by_pair_or_by_the_language_detected_among_those_served():
+    calls = []
+
+    def detect(text, candidates):
+        calls.append((text, candidates))
+        french = "le " in text
+        return [("fr", 80.0), ("en", 20.0)] if french else [("en", 90.0), ("fr", 10.0)]
+
+    en_de, de_en, fr_de = PAIRS
+    assert api.libre_routes(["a", "b"], "de", "en", PAIRS, detect) == [api.Route(de_en, "de")] * 2
+    # auto: detected among the sources into the target; short texts get all texts' detection
+    long = "le chien court dans le parc avec un ballon"  # > SHORT_TEXT characters
+    english = "the dog runs in the park with a red ball today"
+    routes = api.libre_routes([long, "a dog", english], "auto", "de", PAIRS, detect)
+    assert [(route.model.id, route.detected) for route in routes] == [
+        ("fr-de", {"confidence": 80.0, "language": "fr"}),
+        ("fr-de", {"confidence": 80.0, "language": "fr"}),  # as the three together
+        ("en-de", {"confidence": 90.0, "language": "en"})]
+    assert calls == [(long, ["en", "fr"]), (f"{long}\na dog\n{english}", ["en", "fr"]),
+                     (english, ["en", "fr"])]
+    calls.clear()
+    assert api.libre_routes(["Hallo"], "auto", "en", PAIRS, detect) == [
+        api.Route(de_en, "de", {"confidence": 100.0, "language": "de"})]  # the one source
+    assert calls == []
+    assert api.libre_routes(["x"], "auto", "de", ANY, detect) == [api.Route(ANY[0], None)]
+    assert api.libre_routes(["x"], "xx", "yy", ANY, detect) == [api.Route(ANY[0], "xx")]
 
 
-def test_libre_answer_joins_each_texts_lines_again():
-    asked = api.LibreRequest([["one", "", "two"], ["three"]], {}, 0, single=False)
-    outputs = [output(("eins", -1.0)), output(("", 0.0)), output(("zwei", -1.0)),
-               output(("drei", -1.0))]
-    assert api.libre_answer(asked, outputs) == {"translatedText": ["eins\n\nzwei", "drei"]}
-    asked = api.LibreRequest([["one", "two"]], {"nbest": 2, "beam": 4}, 1, single=True)
-    outputs = [output(("eins", -1.0), ("ein", -2.0)), output(("zwei", -1.0)) + [(NOT_FOUND, "")]]
-    assert api.libre_answer(asked, outputs) == {"translatedText": "eins\nzwei",
-                                                "alternatives": ["ein\n"]}
+@pytest.mark.parametrize("source, target, served, message", [
+    ("fr", "de", ONE, "this server translates en to de only, not fr to de"),
+    ("en", "fr", ONE, "this server translates en to de only, not en to fr"),
+    ("en", "fr", PAIRS, "this server translates en to de, de to en, fr to de only, not en to "
+                        "fr"),
+    ("auto", "fr", PAIRS, "this server translates en to de, de to en, fr to de only: no source "
+                          "language into fr"),
+])
+def test_libre_routes_refusals(source, target, served, message):
+    assert refused(api.libre_routes, ["a"], source, target, served, None) == (400, message)
+
+
+def test_libre_answer():
+    split = api.split_sentences(["One. Two.", "Three."], ["en"] * 2, OPTIONS, "q", False)
+    outputs = [output(("Eins.", -1.0), ("Ein.", -2.0)), output(("Zwei.", -1.0)) +
+               [(NOT_FOUND, "")], output(("Drei.", -1.0), ("Drei!", -3.0))]
+    joined = api.joined_outputs(split, outputs, 2)
+    asked = api.LibreRequest(["One. Two.", "Three."], "en", "de", {"nbest": 2, "beam": 4}, 1,
+                             single=False)
+    routes = [api.Route(ONE[0], "en")] * 2
+    assert api.libre_answer(asked, joined, routes) == {
+        "translatedText": ["Eins. Zwei.", "Drei."], "alternatives": [["Ein. Zwei."], ["Drei!"]]}
+    detected = {"confidence": 99.5, "language": "en"}
+    auto = dataclasses.replace(asked, source="auto", alternatives=0, texts=["One. Two."],
+                               single=True)
+    assert api.libre_answer(auto, joined[:1], [api.Route(ONE[0], "en", detected)]) == {
+        "translatedText": "Eins. Zwei.", "detectedLanguage": detected}
+    # a server that takes any pair detects nothing, and says nothing of it
+    assert api.libre_answer(auto, joined[:1], [api.Route(ANY[0], None)]) == {
+        "translatedText": "Eins. Zwei."}
+
+
+def test_detect_request_and_detections():
+    assert api.detect_request({"q": "Hallo Welt"}, OPTIONS) == "Hallo Welt"
+    assert api.detect_request({"q": ["Hallo", "Welt"]}, OPTIONS) == "Hallo\nWelt"
+    for fields in ({}, {"q": ""}):
+        assert refused(api.detect_request, fields, OPTIONS) == (
+            400, "Invalid request: missing q parameter")
+    assert refused(api.detect_request, {"q": 7}, OPTIONS)[0] == 400
+    assert refused(api.detect_request, {"q": "a" * 61}, OPTIONS)[1].endswith("--char-limit)")
+    assert api.detections([("de", 99.9512), ("en", 0.0488)]) == [
+        {"confidence": 99.95, "language": "de"}, {"confidence": 0.05, "language": "en"}]
 
 
 def test_languages_and_frontend_settings():
-    assert api.languages(None) == []
-    assert api.languages(("en", "xx")) == [
+    assert api.languages(ANY) == []
+    assert api.languages([api.Served("m", ("en", "xx"))]) == [
         {"code": "en", "name": "English", "targets": ["xx"]},
         {"code": "xx", "name": "xx", "targets": []}]
-    settings = api.frontend_settings(ServeOptions(api_key="k"), None)
+    assert api.languages(PAIRS) == [{"code": "en", "name": "English", "targets": ["de"]},
+                                    {"code": "de", "name": "German", "targets": ["en"]},
+                                    {"code": "fr", "name": "French", "targets": ["de"]}]
+    settings = api.frontend_settings(ServeOptions(api_key="k"), ANY)
     assert settings["charLimit"] == 10_000 and settings["keyRequired"] is True
+    assert settings["filesTranslation"] is True and settings["supportedFilesFormat"] == [".txt"]
     assert settings["language"] == {"source": {"code": "auto", "name": "auto"},
                                     "target": {"code": "", "name": ""}}
-    assert api.frontend_settings(OPTIONS, ("en", "de"))["language"]["target"] == {
-        "code": "de", "name": "German"}
+    settings = api.frontend_settings(OPTIONS, PAIRS)
+    assert settings["charLimit"] == 60
+    assert settings["language"]["target"] == {"code": "de", "name": "German"}
+
+
+# ------------------------------------------------- POST /translate_file, GET /download_file
+
+
+def test_multipart_fields_keep_the_files_bytes_exactly():
+    data = b"One.\r\nTwo.\n\n\xff\xfe binary\r\n--not a boundary\r\n"
+    for sent in (data, b"", b"no line break at the end"):
+        content_type, body = multipart({"source": "en", "target": "dé"},
+                                       {"file": ("Grüße.txt", sent)})
+        assert api.multipart_fields(content_type, body) == (
+            {"source": "en", "target": "dé"}, {"file": ("Grüße.txt", sent)})
+
+
+@pytest.mark.parametrize("content_type, body, fragment", [
+    ("multipart/form-data", b"--b\r\n\r\nx\r\n--b--\r\n", "NoBoundaryInMultipartDefect"),
+    ("multipart/form-data; boundary=c", b"--b\r\n\r\nx\r\n--b--\r\n", "StartBoundaryNotFound"),
+    ("multipart/form-data; boundary=b", b'--b\r\nContent-Disposition: form-data; name="q"\r\n'
+                                        b"\r\nx", "CloseBoundaryNotFoundDefect"),
+    ("multipart/form-data; boundary=b\r\nX: 1", b"", "holds a line break"),
+    ("multipart/form-data; boundary=b", b'--b\r\nContent-Disposition: form-data; name="q"\r\n'
+                                        b"\r\n\xff\r\n--b--\r\n",
+     "the form field 'q' is not valid UTF-8 (byte 0)"),
+])
+def test_multipart_fields_refusals(content_type, body, fragment):
+    status, message = refused(api.multipart_fields, content_type, body)
+    assert status == 400 and fragment in message
+
+
+def test_file_request():
+    fields = {"source": "en", "target": "de"}
+    asked = api.file_request(fields, {"file": ("notes.TXT", "\ufeffOne.\nTwo.".encode())})
+    assert asked == api.FileRequest("notes.TXT", "One.\nTwo.", True, "en", "de")
+    for files, extra, message in [
+        ({}, {}, "Invalid request: missing file parameter"),
+        ({"file": ("a.txt", b"")}, {"target": ""}, "Invalid request: missing target parameter"),
+        ({"file": ("", b"x")}, {}, "Invalid request: empty file (the file field has no "
+                                   "filename)"),
+        ({"file": ("a.pdf", b"x")}, {}, "Invalid request: file format not supported: file "
+                                        "'a.pdf'; this server translates .txt files"),
+        ({"file": ("a.txt", b"\xe9t\xe9")}, {}, "file 'a.txt' is not valid UTF-8 (byte 0)"),
+    ]:
+        assert refused(api.file_request, {**fields, **extra}, files) == (400, message)
+
+
+def test_download_names_are_plain():
+    assert api.download_name("../../etc/passwd.txt") == "passwd.txt"
+    assert api.download_name("C:\\Users\\me\\Grüße Bericht.TXT") == "Gr_e_Bericht.txt"
+    assert api.download_name(".hidden.txt") == "hidden.txt"
+    assert api.download_name("") == "file"
+
+
+def test_downloads_are_bounded_by_age_and_count(tmp_path):
+    now = [0.0]
+    downloads = Downloads(seconds=10, count=2, clock=lambda: now[0])
+    first = downloads.add("a.txt", b"one")
+    assert re.fullmatch(r"[0-9a-f]{32}\.a\.txt", first)
+    assert downloads.get(first) == (b"one", "a.txt")
+    assert downloads.get("../" + first) is None and downloads.get("x") is None
+    now[0] = 5.0
+    second, third = downloads.add("b.txt", b"two"), downloads.add("c.txt", b"three")
+    assert downloads.get(first) is None  # the oldest, past the count
+    assert sorted(path.name for path in downloads.directory.iterdir()) == sorted(
+        [second, third])
+    now[0] = 14.9
+    assert downloads.get(second) == (b"two", "b.txt")
+    now[0] = 15.0
+    assert downloads.get(second) is None and len(downloads) == 0  # past its 10 s
+    directory = downloads.directory
+    downloads.close()
+    assert not directory.exists()
+
+
+# ---------------------------------------------------------------------- the models of a server
+
+
+def test_model_groups_pairs_and_ensembles():
+    plain = ServeOptions()
+    assert model_groups(["a.st"], plain) == [(None, [Path("a.st")])]
+    assert model_groups(["a.st", "b.st"], plain) == [(None, [Path("a.st"), Path("b.st")])]
+    assert model_groups(["en-de=a.st", "de-en=b.st", "en-de=c.st"], plain) == [
+        (("en", "de"), [Path("a.st"), Path("c.st")]), (("de", "en"), [Path("b.st")])]
+    assert model_groups(["./en-de=x.st"], plain) == [(None, [Path("en-de=x.st")])]
+    for values, options, message in [
+        (["en-de=a.st", "b.st"], plain, "-m b.st names no language pair, but other -m do"),
+        (["en-de=a.st"], ServeOptions(langs=("en", "de")), "--langs is the pair of a model "
+                                                            "given without one"),
+        (["en-de=a.st"], ServeOptions(name="x"), "--name is the id of a server's one model"),
+    ]:
+        with pytest.raises(AttnError, match=re.escape(message)):
+            model_groups(values, options)
 
 
 def test_the_api_and_the_server_module_import_neither_torch_nor_starlette():

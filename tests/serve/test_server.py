@@ -24,7 +24,7 @@ import pytest
 from attn_cli.serve.api import V1_FIELDS
 
 from ..conftest import assert_clean_error, run_attn
-from .client import Connection, Server, request, run_clients
+from .client import Connection, Server, multipart, request, run_clients
 
 pytest.importorskip("uvicorn", reason="attn[serve] is not installed")
 
@@ -32,8 +32,10 @@ pytestmark = pytest.mark.slow
 
 
 def serve_command(model, *options) -> list[str]:
+    """The server under test, its translation cache off (test_operations.py tests the cache):
+    every answer here comes from a search."""
     return [sys.executable, "-m", "attn_cli", "serve", "-m", str(model), "--port", "0",
-            "--threads", "2", *map(str, options)]
+            "--threads", "2", "--cache-lines", "0", *map(str, options)]
 
 
 def call(server: Server, method: str, path: str, payload=None, headers=None):
@@ -152,6 +154,39 @@ def test_libretranslate_client_library_works_unchanged(server, trained, lines):
     assert [len(others) for others in answer["alternatives"]] == [2, 2]
 
 
+def test_a_paragraph_keeps_every_sentence_in_order_and_its_spacing(server, trained, lines):
+    """LibreTranslate's /translate cuts a text into sentences, searches them as the request's
+    lines and joins them again: each sentence translated once (the log counts 6 lines), in
+    order, as `attn decode` translates it on a line of its own, the spaces, tabs and line
+    breaks kept; each alternative too (the k-th best of each sentence, or its best).
+    /v1/translate does the same with split: true, and stays decode's byte for byte without."""
+    libretranslatepy = pytest.importorskip("libretranslatepy")
+    model, _ = trained
+    chosen = [lines[i] for i in (1, 2, 4, 6, 7, 10)]  # a sentence each, ending with a period
+    layout = "  {} {}\n\n{}\t{}\r\n{}  {}\n"
+    paragraph = layout.format(*chosen)
+    two = f"{chosen[0]}  {chosen[1]}"
+    expected = decode(model, [*chosen, two])
+    client = libretranslatepy.LibreTranslateAPI(f"http://{server.host}:{server.port}")
+    assert client.translate(paragraph, "en", "de") == layout.format(*expected[:6])
+    wait_for(lambda: any(" POST /translate 200 6 lines " in line for line in server.log))
+    status, answer = call(server, "POST", "/translate", {"q": [paragraph, "", " "],
+                                                         "source": "en", "target": "de",
+                                                         "alternatives": 2})
+    assert status == 200
+    assert answer["translatedText"] == [layout.format(*expected[:6]), "", " "]
+    _, nbest = call(server, "POST", "/v1/translate", {"text": chosen, "nbest": 3, "beam": 4})
+    assert answer["alternatives"][0] == [
+        layout.format(*(texts[k] if scores[k] is not None else texts[0]
+                        for texts, scores in zip(nbest["translations"], nbest["scores"])))
+        for k in (1, 2)]
+    assert answer["alternatives"][1:] == [["", ""], [" ", " "]]
+    assert call(server, "POST", "/v1/translate", {"text": [two, ""], "split": True})[1][
+        "translations"] == [f"{expected[0]}  {expected[1]}", ""]
+    assert call(server, "POST", "/v1/translate", {"text": [two]})[1]["translations"] == [
+        expected[6]]
+
+
 @pytest.mark.parametrize("path, body, headers, status, fragment", [
     ("/v1/translate", b'{"text": [', None, 400, "not valid JSON"),
     ("/v1/translate", b'{"text": ["\xff\xfe"]}', None, 400, "not valid UTF-8"),
@@ -234,18 +269,19 @@ UNREADABLE = {"NaN", "Infinity", "-Infinity", "1e400", "5,000 digits"}
 COMPANIONS = {"alpha": b', "scores": true', **{name: b', "sample": true' for name in
                                                 ("topk", "topp", "temperature", "seed")}}
 # The (field, edge) pairs that are valid requests (200); every other pair is a 4xx.
-V1_ACCEPTED = {("text", "string"), ("model", "null"), ("scores", "true"), ("sample", "true"),
+V1_ACCEPTED = {("text", "string"), ("model", "null"), ("source", "null"), ("target", "null"),
+               ("split", "true"), ("scores", "true"), ("sample", "true"),
                ("raw", "true"), ("alpha", "5e-324"), ("max_len_a", "5e-324"),
                ("topp", "5e-324"), ("topk", "2**63"), ("seed", "-1"), ("seed", "2**63")}
 LIBRE_ACCEPTED = {("q", "string"), ("alternatives", "true"), ("alternatives", "5e-324")}
 
 
 def test_every_field_s_wrong_kinds_and_edges_get_a_4xx_json_error_never_a_500(server):
-    """Every field of /v1/translate and of LibreTranslate's /translate fed each edge: a valid
-    value is answered, anything else is a 4xx with a JSON error (400 for what is not JSON a
-    float or a 64-bit integer holds, or nests too deep; LibreTranslate's endpoint 400 for all),
-    each within seconds, on one connection. (`api_key` is read only by a server with a key:
-    test_api_key.)"""
+    """Every field of /v1/translate and of LibreTranslate's /translate and /detect fed each
+    edge: a valid value is answered, anything else is a 4xx with a JSON error (400 for what is
+    not JSON a float or a 64-bit integer holds, or nests too deep; LibreTranslate's endpoints
+    400 for all), each within seconds, on one connection. (`api_key` is read only by a server
+    with a key: test_api_key.)"""
     v1_fields = sorted(V1_FIELDS - {"api_key"})
     cases = [("/v1/translate", field, name, b'{"text": ["A dog runs."]' + COMPANIONS.get(
         field, b"") + b', "' + field.encode() + b'": ' + value + b"}")
@@ -256,6 +292,7 @@ def test_every_field_s_wrong_kinds_and_edges_get_a_4xx_json_error_never_a_500(se
         b'"%s": %s' % (other.encode(), value if other == field else given)
         for other, given in libre.items()) + b"}")
               for field in libre for name, value in EDGES.items()]
+    cases += [("/detect", "q", name, b'{"q": ' + value + b"}") for name, value in EDGES.items()]
 
     async def ask_all():
         connection = Connection(server.host, server.port)
@@ -269,7 +306,7 @@ def test_every_field_s_wrong_kinds_and_edges_get_a_4xx_json_error_never_a_500(se
     for (path, field, name, _), (status, _, body) in zip(cases, asyncio.run(ask_all())):
         accepted = (V1_ACCEPTED if path == "/v1/translate" else LIBRE_ACCEPTED)
         expected = {200} if (field, name) in accepted else \
-            {400} if name in UNREADABLE or path == "/translate" else set(range(400, 500))
+            {400} if name in UNREADABLE or path != "/v1/translate" else set(range(400, 500))
         answer = json.loads(body)
         if status not in expected or (status != 200 and not isinstance(answer["error"], str)):
             wrong.append(f"{path} {field}={name}: {status} {answer}")
@@ -391,6 +428,15 @@ def test_api_key(trained, lines):
         assert call(process, "POST", "/v1/translate", body, {"X-API-Key": "s3cret"})[0] == 200
         assert call(process, "POST", "/v1/translate", {**body, "api_key": "s3cret"})[0] == 200
         assert call(process, "GET", "/health")[0] == 200  # open: for load balancers
+        # LibreTranslate's api_key field in a JSON body and in a multipart form
+        assert call(process, "POST", "/detect", {"q": lines[0], "api_key": "s3cret"}) == (
+            200, [{"confidence": 100.0, "language": "en"}])  # one source language: it
+        assert call(process, "POST", "/detect", {"q": lines[0]})[0] == 401
+        for key, status in (({"api_key": "s3cret"}, 200), ({}, 401)):
+            content_type, form = multipart({"source": "en", "target": "de", **key},
+                                           {"file": ("a.txt", lines[0].encode())})
+            assert raw_call(process, "POST", "/translate_file", form,
+                            {"Content-Type": content_type})[0] == status
         url = f"http://{process.host}:{process.port}"
         expected = decode(model, lines[:1])[0]
         assert libretranslatepy.LibreTranslateAPI(url, "s3cret").translate(
@@ -502,6 +548,12 @@ def test_refuses_bad_models_options_and_a_taken_port(trained, tmp_path):
                        "--max-len-b must be at most 4096")
     assert_clean_error(run_attn("serve", "-m", model, "--request-timeout", 0),
                        "--request-timeout must be a finite number of seconds above 0")
+    assert_clean_error(run_attn("serve", "-m", model, "--char-limit", 0),
+                       "--char-limit must be at least 1, or -1 for no limit, not 0")
+    assert_clean_error(run_attn("serve", "-m", f"en-de={model}", "-m", model),
+                       f"-m {model} names no language pair, but other -m do")
+    assert_clean_error(run_attn("serve", "-m", f"en-de={tmp_path / 'missing.st'}"),
+                       "missing.st")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

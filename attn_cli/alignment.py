@@ -1,0 +1,169 @@
+"""Word alignments from the model's encoder-decoder attention: which source word each output
+word translates, as Pharaoh's pairs `i-j` (source word i, output word j, from 0) over the
+whitespace-separated words of a line and of its translation.
+
+The paper's Figures 3-5 show heads whose attention follows the words. Garg et al. (2019,
+"Jointly Learning to Align and Translate with Transformer Models"), whose recipe fairseq's
+alignment models follow, read alignments off the average of the heads of the penultimate decoder
+layer: each output piece is aligned with the source piece it attends to most (the source's </s>
+left out), and pieces are mapped to words. That layer, averaged over every head, is the default;
+`layer` and `heads` choose others (which is best, alignment error rate says).
+
+The attention comes from a second, teacher-forced pass of the model over the source and the
+finished output: the weights the search computed as it went (the same model over the same
+prefixes), without touching the search, which stays as fast for callers that do not ask for
+alignments. Its cost is one forward pass, that of scoring the output (`attn score -m`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+# Pairs (source word, output word), sorted: one line's alignment.
+Alignment = list[tuple[int, int]]
+
+DEFAULT_LAYER = -2  # the penultimate decoder layer (a one-layer decoder's only one)
+WORD_START = "\u2581"  # SentencePiece's mark of a piece that begins a word ("▁")
+UNKNOWN_PIECE = "<unk>"  # decoded as " ⁇ ": a word of its own
+WORD = re.compile(r"\S+")
+
+
+def word_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each whitespace-separated word of `text`: the words alignments count."""
+    return [match.span() for match in WORD.finditer(text)]
+
+
+def piece_words(pieces: Sequence[str]) -> list[int]:
+    """The word (from 0) each SentencePiece piece belongs to: a piece beginning with "▁" begins a
+    word, a lone "▁" belongs to the word after it, an unknown piece is a word of its own."""
+    words, index, boundary = [], -1, True
+    for piece in pieces:
+        if piece == UNKNOWN_PIECE:
+            index += 1
+            words.append(index)
+            boundary = True
+            continue
+        boundary = boundary or piece.startswith(WORD_START)
+        if not piece.lstrip(WORD_START):  # "▁" alone: the space before the next word
+            words.append(index + 1)
+            continue
+        if boundary:
+            index, boundary = index + 1, False
+        words.append(index)
+    return words
+
+
+def layer_index(layer: int, layers: int) -> int:
+    """Decoder layer `layer` (a Python index, -1 the last) among `layers`, clamped to those
+    there are: the penultimate of a one-layer decoder is its only layer."""
+    return min(max(layer, -layers), layers - 1) % layers
+
+
+def alignment_attention(model, src_tokens: Tensor, tgt_input: Tensor,
+                        layer: int = DEFAULT_LAYER, heads: Sequence[int] | None = None) -> Tensor:
+    """The map alignments are read off, (B, T, S) in float32: the encoder-decoder attention of
+    decoder layer `layer` averaged over `heads` (None: all), in a teacher-forced pass over the
+    padded batch src_tokens (B, S), tgt_input (B, T) (BOS + output). Row t is the query that
+    predicts output piece t; the columns of the source's </s> and padding are -inf."""
+    from .model import AttentionWeights
+
+    memory, src_mask = model.encode(src_tokens)
+    # Only the encoder-decoder attention written out (`decoder=None`: the self-attention keeps
+    # its fused kernel).
+    weights = AttentionWeights(decoder=None)
+    model.decode(tgt_input, memory, src_mask, weights)
+    chosen = weights.cross[layer_index(layer, len(weights.cross))]  # (B, H, T, S)
+    if heads is not None:
+        chosen = chosen[:, list(heads)]
+    attention = chosen.float().mean(dim=1)
+    config = model.config
+    not_a_piece = (src_tokens == config.eos_id) | (src_tokens == config.pad_id)
+    return attention.masked_fill_(not_a_piece[:, None, :], -math.inf)
+
+
+def word_pairs(nearest: Sequence[int], source_words: Sequence[int],
+               output_words: Sequence[int]) -> Alignment:
+    """Output piece t aligned with source piece nearest[t] (the one it attends to most), as
+    pairs of their words, sorted, each once."""
+    return sorted({(source_words[s], output_words[t])
+                   for t, s in zip(range(len(output_words)), nearest)})
+
+
+def clamped(words: list[int], count: int) -> list[int]:
+    """Piece-to-word indices kept within the `count` words of the text (pieces and words can
+    disagree on text SentencePiece normalises, say full-width forms)."""
+    return [min(word, count - 1) for word in words]
+
+
+def align(model, sources: list[list[int]], outputs: list[list[int]],
+          source_words: list[list[int]], output_words: list[list[int]],
+          layer: int = DEFAULT_LAYER, heads: Sequence[int] | None = None,
+          sentences_per_pass: int = 32) -> list[Alignment]:
+    """Each pair's alignment: `sources` and `outputs` the ids (no BOS, no EOS, neither empty),
+    `source_words` and `output_words` the word of each id (`piece_words`)."""
+    import torch  # not before: the markup that counts words needs no torch
+
+    from .batching import collate_pairs
+
+    config = model.config
+    device = next(model.parameters()).device
+    found = []
+    for start in range(0, len(sources), sentences_per_pass):
+        pairs = list(zip(sources[start:start + sentences_per_pass],
+                         outputs[start:start + sentences_per_pass]))
+        batch = collate_pairs(pairs, config.bos_id, config.eos_id, config.pad_id).to(device)
+        with torch.inference_mode():
+            attention = alignment_attention(model, batch.src_tokens, batch.tgt_input, layer,
+                                            heads)
+            nearest = attention.argmax(dim=-1).tolist()  # (B, T): the one read of the batch
+        for offset, row in enumerate(nearest):
+            found.append(word_pairs(row, source_words[start + offset],
+                                    output_words[start + offset]))
+    return found
+
+
+def source_pieces(vocab, line: str) -> list[str]:
+    """The pieces SentencePiece cuts `line` into, as text (an unknown one keeps its surface,
+    and its "▁", which its id would lose)."""
+    return vocab.processor.encode(line, out_type=str)
+
+
+def align_lines(model, src_vocab, tgt_vocab, lines: list[str], outputs: list[list[int]],
+                max_source: int, layer: int = DEFAULT_LAYER,
+                heads: Sequence[int] | None = None) -> list[Alignment]:
+    """The alignment of each line with its output `outputs[i]` (output ids, as a search's
+    `Hypothesis.tokens`): pairs over the words of the line and of the output's text (what
+    `tgt_vocab.decode` makes of it). An empty line or output aligns nothing."""
+    found: list[Alignment] = [[] for _ in lines]
+    texts = tgt_vocab.decode(outputs)
+    encoded = src_vocab.encode(lines)
+    todo = [i for i, line in enumerate(lines)
+            if encoded[i] and word_spans(line) and word_spans(texts[i])]
+    if not todo:
+        return found
+    sources, source_words, output_words = [], [], []
+    for i in todo:
+        ids, pieces = encoded[i], source_pieces(src_vocab, lines[i])
+        if len(pieces) != len(ids):  # a vocabulary whose pieces are not spm's own: by id
+            pieces = [src_vocab.piece(token) for token in ids]
+        sources.append(ids[:max_source])  # as the search saw it
+        source_words.append(clamped(piece_words(pieces[:max_source]),
+                                    len(word_spans(lines[i]))))
+        out_words = piece_words([tgt_vocab.piece(token) for token in outputs[i]])
+        output_words.append(clamped(out_words, len(word_spans(texts[i]))))
+    aligned = align(model, sources, [outputs[i] for i in todo], source_words, output_words,
+                    layer, heads)
+    for i, alignment in zip(todo, aligned):
+        found[i] = alignment
+    return found
+
+
+def pharaoh(alignment: Alignment) -> str:
+    """"0-0 1-2 2-1": the format of fast_align, GIZA++ and the alignment test sets."""
+    return " ".join(f"{source}-{output}" for source, output in alignment)
