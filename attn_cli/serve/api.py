@@ -12,7 +12,9 @@ field of its type (422) and range (422: DecodeOptions'), and the request's work 
 
 Also here: which served model a request reaches (`Served`: by id, by pair, or with source
 "auto" by the language detected, `libre_routes`), texts cut into sentences and their outputs
-joined again (`split_sentences`, `joined_outputs`), and multipart forms (`multipart_fields`).
+joined again (`split_sentences`, `joined_outputs`), HTML documents read into sentences and
+rendered with their translations and alignments (`libre_texts`, `aligned_outputs`,
+`html_outputs`: markup.py), and multipart forms (`multipart_fields`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from urllib.parse import parse_qs
 from .. import sentences
 from ..config import MAX_LEN_B, ServeOptions
 from ..formats import Stop
-from ..sentences import SplitTexts
+from ..markup import HtmlDocument, Run, read_markup, split_runs
+from ..sentences import Paragraph, SplitTexts
 
 # ISO 639-1 names for /languages (LibreTranslate lists a name with each code).
 LANGUAGE_NAMES = {
@@ -52,8 +55,11 @@ V1_FIELDS = {"text", "model", "source", "target", "split", "scores", "api_key", 
 # seed) fits in 64 bits, and Python refuses to read more than 4,300 digits anyway (an error
 # that was a 500).
 MAX_INTEGER_DIGITS = 19
-# What /translate_file translates (LibreTranslate's `supportedFilesFormat`).
-FILE_FORMATS = (".txt",)
+# What /translate_file translates (LibreTranslate's `supportedFilesFormat`): text, or HTML.
+FILE_FORMATS = (".txt", ".html", ".htm")
+HTML_FILES = frozenset({".html", ".htm"})
+# What /translate's `format` may be.
+LIBRE_FORMATS = ("text", "html")
 # A text of at most this many characters is too short to tell its language by itself: with
 # source "auto" it gets what the request's texts together are detected as (LibreTranslate's).
 SHORT_TEXT = 40
@@ -276,24 +282,35 @@ def split_sentences(texts: Sequence[str], langs: Sequence[str | None], options: 
     segmenter does not read: English's), the sentences within the server's limits: at most
     --max-lines in the request (the lines its search holds), each of at most --max-line-chars.
     `field` names the texts in a refusal (`q`, or `q[2]` unless `single`)."""
-    paragraphs = []
-    for text, lang in zip(texts, langs):
-        try:
-            paragraphs.append(sentences.split(text, lang))
-        except ValueError:  # not a language code (a server that takes any pair)
-            paragraphs.append(sentences.split(text))
-    split = SplitTexts(tuple(paragraphs))
-    count = sum(len(paragraph.sentences) for paragraph in paragraphs)
+    split = SplitTexts(tuple(sentences.split(text, _segmenter_code(lang))
+                             for text, lang in zip(texts, langs)))
+    check_sentences(split, options, field, single)
+    return split
+
+
+def _segmenter_code(lang: str | None) -> str | None:
+    """`lang`, or None (English's rules) where it is not a language code the segmenter reads
+    (a server that takes any pair knows no codes)."""
+    try:
+        sentences.segmenter_language(lang)
+    except ValueError:
+        return None
+    return lang
+
+
+def check_sentences(split: SplitTexts, options: ServeOptions, field: str, single: bool) -> None:
+    """A request's sentences within the server's limits: at most --max-lines in all (the lines
+    its search holds), each of at most --max-line-chars."""
+    count = sum(len(paragraph.sentences) for paragraph in split.paragraphs)
     if count > options.max_lines:
         raise Problem(422, f"{field} holds {count} sentences; this server searches at most "
                       f"{options.max_lines} in one request (--max-lines)")
-    for index, paragraph in enumerate(paragraphs):
+    for index, paragraph in enumerate(split.paragraphs):
         longest = max(map(len, paragraph.sentences), default=0)
         if longest > options.max_line_chars:
             where = field if single else f"{field}[{index}]"
             raise Problem(422, f"{where} holds a sentence of {longest} characters; this server "
                           f"takes at most {options.max_line_chars} (--max-line-chars)")
-    return split
 
 
 def grouped(routes: Sequence[Route]) -> list[tuple[Served, list[int]]]:
@@ -334,13 +351,74 @@ def joined_outputs(split: SplitTexts, outputs: Sequence, nbest: int) -> list:
         found = [next(outputs) for _ in paragraph.sentences]
         texts = []
         for k in range(nbest):
-            chosen = [output[k] if k < len(output) and math.isfinite(output[k][0].score)
-                      else output[0] for output in found]
+            chosen = [kth_best(output, k) for output in found]
             texts.append((Joined(sum(hypothesis.score for hypothesis, _ in chosen),
                                  sum(hypothesis.log_prob for hypothesis, _ in chosen)),
                           paragraph.join([text for _, text in chosen])))
         joined.append(texts)
     return joined
+
+
+def kth_best(output: Sequence, k: int):
+    """A sentence's output k (`Translator.outputs`' (hypothesis, text)), or its best where the
+    search found fewer than k + 1 (an output not found has score -inf)."""
+    return output[k] if k < len(output) and math.isfinite(output[k][0].score) else output[0]
+
+
+# ------------------------------------------------------------------------------------- HTML
+
+
+def html_text(document: str) -> str:
+    """What a language detector reads of an HTML document: the text of its runs (markup.py),
+    a line each, without the markup, nor what is never translated (scripts, styles,
+    comments, `translate="no"`)."""
+    texts = (piece.tree()[0].strip() for piece in split_runs(read_markup(document))
+             if isinstance(piece, Run))
+    return "\n".join(text for text in texts if text)
+
+
+def read_html(texts: Sequence[str], langs: Sequence[str | None]
+              ) -> tuple[list[HtmlDocument], SplitTexts]:
+    """Each text read as an HTML document, its runs cut into sentences by its language's rules,
+    and the sentences of each as a paragraph (for `grouped` and `check_sentences`; its spacing
+    is never joined: a document renders itself, `html_outputs`)."""
+    documents = [HtmlDocument.read(text, _segmenter_code(lang))
+                 for text, lang in zip(texts, langs)]
+    return documents, SplitTexts(tuple(
+        Paragraph(tuple(document.sentences), ("",) * (len(document.sentences) + 1))
+        for document in documents))
+
+
+def aligned_outputs(lines: Sequence[str], outputs: Sequence, nbest: int,
+                    align: Callable[[list[str], list[list[int]]], list]) -> list:
+    """Each line's `nbest` outputs as (hypothesis, text, alignment): output k its k-th best
+    (`kth_best`), aligned with the line by `align(lines, token ids)` (`Translator.align`:
+    one teacher-forced pass for all of them)."""
+    chosen = [[kth_best(output, k) for k in range(nbest)] for output in outputs]
+    alignments = iter(align([line for line, picked in zip(lines, chosen) for _ in picked],
+                            [hypothesis.tokens for picked in chosen for hypothesis, _ in picked]))
+    return [[(hypothesis, text, next(alignments)) for hypothesis, text in picked]
+            for picked in chosen]
+
+
+def html_outputs(documents: Sequence[HtmlDocument], outputs: Sequence, nbest: int) -> list:
+    """Each document's outputs in `joined_outputs`' shape: `nbest` (scores, HTML) pairs, output
+    k the document with each sentence replaced by its output k, the markup put back by its
+    alignment (`HtmlDocument.render`). `outputs`: each sentence's `aligned_outputs`, in the
+    documents' order."""
+    outputs = iter(outputs)
+    rendered = []
+    for document in documents:
+        found = [next(outputs) for _ in document.sentences]
+        texts = []
+        for k in range(nbest):
+            chosen = [output[k] for output in found]
+            texts.append((Joined(sum(hypothesis.score for hypothesis, _, _ in chosen),
+                                 sum(hypothesis.log_prob for hypothesis, _, _ in chosen)),
+                          document.render([text for _, text, _ in chosen],
+                                          [alignment for _, _, alignment in chosen])))
+        rendered.append(texts)
+    return rendered
 
 
 # ------------------------------------------------------------------------ POST /v1/translate
@@ -451,6 +529,7 @@ class LibreRequest:
     settings: dict  # DecodeOptions fields to change
     alternatives: int  # other translations asked for each text
     single: bool  # `q` was one string
+    html: bool = False  # format "html": each text an HTML document (markup.py)
 
 
 @dataclass(frozen=True)
@@ -473,9 +552,10 @@ def libre_request(fields: dict, options: ServeOptions, beam: int) -> LibreReques
     for name in ("source", "target"):
         if not isinstance(fields.get(name), str) or not fields[name]:
             raise Problem(400, f"Invalid request: missing {name} parameter")
-    if fields.get("format", "text") != "text":
-        raise Problem(400, f"format {fields['format']!r} is not supported: attn translates "
-                      "plain text (format 'text')")
+    text_format = fields.get("format", "text")
+    if text_format not in LIBRE_FORMATS:
+        raise Problem(400, f"Invalid request: format {text_format!r} is not supported: send "
+                      "format 'text' or 'html'")
     texts = [q] if isinstance(q, str) else q
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise Problem(400, "Invalid request: q must be a string or a list of strings")
@@ -490,7 +570,7 @@ def libre_request(fields: dict, options: ServeOptions, beam: int) -> LibreReques
     settings = ({"nbest": alternatives + 1, "beam": max(beam, alternatives + 1)}
                 if alternatives else {})
     return LibreRequest(texts, fields["source"], fields["target"], settings, alternatives,
-                        isinstance(q, str))
+                        isinstance(q, str), text_format == "html")
 
 
 def check_char_limit(texts: Sequence[str], limit: int) -> None:
@@ -513,12 +593,15 @@ def check_unicode(texts: Sequence[str], field: str, single: bool) -> None:
 
 
 def libre_routes(texts: Sequence[str], source: str, target: str, served: Sequence[Served],
-                 detect: Callable[[str, list[str]], list[tuple[str, float]]]) -> list[Route]:
+                 detect: Callable[[str, list[str]], list[tuple[str, float]]],
+                 text_of: Callable[[str], str] | None = None) -> list[Route]:
     """Each text's model: the pair asked for, or with source "auto", the pair from the
     language detected among the sources served into `target` (`detect(text, candidates)`: the
     candidates with their confidence, 0-100, best first). A text of at most SHORT_TEXT
     characters, too short to tell, is given what all the texts together are detected as
-    (LibreTranslate's rule). A pair not served is a 400 naming those that are."""
+    (LibreTranslate's rule). A pair not served is a 400 naming those that are. `text_of`: what
+    detection reads of a text (HTML: `html_text`), read only where there is something to
+    detect."""
     if source != "auto":
         model = by_pair(served, source, target)
         if model is None:
@@ -531,6 +614,8 @@ def libre_routes(texts: Sequence[str], source: str, target: str, served: Sequenc
     if not candidates:
         raise Problem(400, f"this server translates {describe_pairs(served)} only: no source "
                       f"language into {target}")
+    if len(candidates) > 1 and text_of is not None:
+        texts = [text_of(text) for text in texts]
     together = None
     routes = []
     for text in texts:
@@ -545,6 +630,33 @@ def libre_routes(texts: Sequence[str], source: str, target: str, served: Sequenc
         routes.append(Route(by_pair(served, language, target), language,
                             {"confidence": confidence, "language": language}))
     return routes
+
+
+@dataclass(frozen=True)
+class Texts:
+    """A LibreTranslate request's texts made ready to search: each text's route, its
+    sentences (`split`: those of all the texts, in order), and with HTML each text's document
+    (whose sentences `split` holds)."""
+
+    routes: list[Route]
+    split: SplitTexts
+    documents: list[HtmlDocument] | None = None
+
+
+def libre_texts(texts: Sequence[str], source: str, target: str, html: bool,
+                served: Sequence[Served], detect: Callable, options: ServeOptions, field: str,
+                single: bool) -> Texts:
+    """`libre_routes`, then each text cut into sentences by its route's language: as text
+    (`split_sentences`) or as an HTML document (`read_html`; detection reads its text, not its
+    markup). The sentences within the server's limits. HTML costs: a 600 KB page is read in
+    about a second (off the event loop)."""
+    routes = libre_routes(texts, source, target, served, detect, html_text if html else None)
+    langs = [route.source for route in routes]
+    if not html:
+        return Texts(routes, split_sentences(texts, langs, options, field, single))
+    documents, split = read_html(texts, langs)
+    check_sentences(split, options, field, single)
+    return Texts(routes, split, documents)
 
 
 def libre_answer(asked: LibreRequest, outputs: list, routes: Sequence[Route]) -> dict:
@@ -622,11 +734,12 @@ class FileRequest:
     bom: bool
     source: str
     target: str
+    html: bool = False  # an .html or .htm file: translated as HTML (markup.py)
 
 
 def file_request(fields: dict, files: dict) -> FileRequest:
     """/translate_file's form (LibreTranslate's: `file`, `source`, `target`, `api_key`): a
-    .txt file of UTF-8 text."""
+    .txt, .html or .htm file of UTF-8 text."""
     if "file" not in files:
         raise Problem(400, "Invalid request: missing file parameter")
     for name in ("source", "target"):
@@ -644,7 +757,14 @@ def file_request(fields: dict, files: dict) -> FileRequest:
     except UnicodeDecodeError as error:
         raise Problem(400, f"file {name!r} is not valid UTF-8 (byte {error.start})") from None
     bom = text.startswith("\ufeff")
-    return FileRequest(name, text[1:] if bom else text, bom, fields["source"], fields["target"])
+    return FileRequest(name, text[1:] if bom else text, bom, fields["source"], fields["target"],
+                       extension in HTML_FILES)
+
+
+def media_type(name: str) -> str:
+    """The Content-Type of a translated file by its name: HTML as HTML, the rest as text."""
+    html = os.path.splitext(name)[1].lower() in HTML_FILES
+    return f"text/{'html' if html else 'plain'}; charset=utf-8"
 
 
 def download_name(name: str) -> str:

@@ -10,11 +10,12 @@ Endpoints (JSON in and out; errors are `{"error": "..."}` with a 4xx/5xx status)
 - `GET /v1/models` (every model), `GET /health` (200 once every model is loaded, 503 before).
 - `GET /metrics` (Prometheus), the translation cache and --req-limit's 429: operations.py.
 - LibreTranslate's API, so its clients, apps and browser extensions work unchanged:
-  `POST /translate` (`q` a string or a list, `source` (or "auto"), `target`, `format`,
-  `alternatives`, `api_key`; JSON or a form) → `{"translatedText", "alternatives"?,
-  "detectedLanguage"?}`, each text cut into sentences and joined again; `POST /detect`
-  (detect.py); `POST /translate_file` → `{"translatedFileUrl"}` and `GET /download_file/<name>`
-  (downloads.py); `GET /languages`, `GET /frontend/settings`.
+  `POST /translate` (`q` a string or a list, `source` (or "auto"), `target`, `format` ("text"
+  or "html"), `alternatives`, `api_key`; JSON or a form) → `{"translatedText",
+  "alternatives"?, "detectedLanguage"?}`, each text cut into sentences and joined again (HTML:
+  its markup put back by the words' alignments, markup.py); `POST /detect` (detect.py); `POST
+  /translate_file` (.txt, .html, .htm) → `{"translatedFileUrl"}` and `GET
+  /download_file/<name>` (downloads.py); `GET /languages`, `GET /frontend/settings`.
 
 A server holds one model per language pair (`-m en-de=a.st -m de-en=b.st`, `model_groups`), each
 its own Translator, all behind one RequestQueue; requests pick theirs by `source` and `target`
@@ -345,18 +346,41 @@ def libre_statuses(handler):
 @libre_statuses
 async def translate_libre(request):
     """Each text of `q` cut into sentences, which are searched as the lines of the request
-    (in batches with other requests' lines), and joined again with the text's own spacing."""
+    (in batches with other requests' lines), and joined again with the text's own spacing.
+    `format: "html"`: each text an HTML document whose runs' sentences are searched so, then
+    aligned, and the document rendered with its markup (`_translate_html`); `alternatives`
+    K with HTML: alternative k renders each sentence's k-th best (its best where the search
+    found fewer), aligned on its own."""
     service = request.app.state.service
     body = await read_body(request, service.options.max_body)
     fields = api.libre_fields(request.headers.get("content-type", ""), body)
     api.check_key(service.options.api_key, request.headers, fields)
     asked = api.libre_request(fields, service.options, service.default_beam)
-    routes = api.libre_routes(asked.texts, asked.source, asked.target, service.served,
-                              service.detect)
-    split = api.split_sentences(asked.texts, [route.source for route in routes],
-                                service.options, "q", asked.single)
-    outputs, _ = await _translate_split(request, split, routes, asked.settings)
+    # HTML is slow to read (about 1 s for a 600 KB page): off the event loop. Texts within
+    # --char-limit are split in place (a thread hop would cost short requests more).
+    outputs, routes = await _translate_texts(request, asked.texts, asked.source, asked.target,
+                                             asked.html, asked.settings, "q", asked.single,
+                                             off_loop=asked.html)
     return answer(api.libre_answer(asked, outputs, routes))
+
+
+async def _translate_texts(request, texts: list[str], source: str, target: str, html: bool,
+                           settings: dict, field: str, single: bool, off_loop: bool
+                           ) -> tuple[list, list]:
+    """LibreTranslate's texts translated (`api.libre_texts`, in a thread if `off_loop`): each
+    text's outputs (`api.joined_outputs`' shape) and routes."""
+    service = request.app.state.service
+
+    def prepare() -> api.Texts:
+        return api.libre_texts(texts, source, target, html, service.served, service.detect,
+                               service.options, field, single)
+
+    prepared = await asyncio.to_thread(prepare) if off_loop else prepare()
+    if html:
+        outputs = await _translate_html(request, prepared, settings)
+    else:
+        outputs, _ = await _translate_split(request, prepared.split, prepared.routes, settings)
+    return outputs, prepared.routes
 
 
 @libre_statuses
@@ -379,7 +403,8 @@ async def detect(request):
 @libre_statuses
 async def translate_file(request):
     """A .txt file translated as one text of /translate (sentence by sentence, its line
-    breaks and spacing kept), answered with the URL to download the translation from."""
+    breaks and spacing kept), an .html or .htm file as one HTML document, answered with the
+    URL to download the translation from."""
     service = request.app.state.service
     body = await read_body(request, service.options.max_body)
     content_type = request.headers.get("content-type", "")
@@ -389,15 +414,9 @@ async def translate_file(request):
     fields, files = api.multipart_fields(content_type, body)
     api.check_key(service.options.api_key, request.headers, fields)
     asked = api.file_request(fields, files)
-
-    def prepare():  # a file may be long: detected and split off the event loop
-        routes = api.libre_routes([asked.text], asked.source, asked.target, service.served,
-                                  service.detect)
-        return routes, api.split_sentences([asked.text], [routes[0].source], service.options,
-                                           "file", True)
-
-    routes, split = await asyncio.to_thread(prepare)
-    outputs, _ = await _translate_split(request, split, routes, {})
+    # a file may be long (--max-body): detected and read off the event loop
+    outputs, _ = await _translate_texts(request, [asked.text], asked.source, asked.target,
+                                        asked.html, {}, "file", True, off_loop=True)
     translated = ("\ufeff" if asked.bom else "") + outputs[0][0][1]
     stored = await asyncio.to_thread(service.downloads.add, api.download_name(asked.name),
                                      translated.encode("utf-8"))
@@ -415,7 +434,7 @@ async def download_file(request):
     from starlette.responses import Response
 
     return Response(data, 200, {"Content-Disposition": f'attachment; filename="{name}"'},
-                    media_type="text/plain; charset=utf-8")
+                    media_type=api.media_type(name))
 
 
 async def languages(request):
@@ -519,6 +538,27 @@ async def _translate_split(request, split, routes: list[api.Route], settings: di
     nbest = jobs[0].translator.options.nbest if jobs else settings.get("nbest", 1)
     outputs = api.regrouped(split, groups, [job.outputs for job in jobs])
     return api.joined_outputs(split, outputs, nbest), nbest
+
+
+async def _translate_html(request, prepared: api.Texts, settings: dict) -> list:
+    """HTML documents (`prepared`: `api.libre_texts`' with html) translated: their sentences
+    searched as the lines of the request, like `_translate_split`'s; then, in a thread, the
+    outputs aligned with their sentences (`Translator.align`: one teacher-forced pass of
+    each model over its lines) and each document rendered (`api.html_outputs`). Each
+    document's outputs, in `api.joined_outputs`' shape."""
+    groups = api.grouped(prepared.routes)
+    # The lines as sent, from this list: the cache blanks those it answers in `job.lines`.
+    parts = [(model, api.group_sentences(prepared.split, texts)) for model, texts in groups]
+    jobs = await _search(request, parts, settings)
+    nbest = jobs[0].translator.options.nbest if jobs else settings.get("nbest", 1)
+
+    def render() -> list:
+        aligned = [api.aligned_outputs(lines, job.outputs, nbest, job.translator.align)
+                   for job, (_, lines) in zip(jobs, parts)]
+        return api.html_outputs(prepared.documents,
+                                api.regrouped(prepared.split, groups, aligned), nbest)
+
+    return await asyncio.to_thread(render)
 
 
 async def _client_gone(request) -> None:

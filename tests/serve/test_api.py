@@ -338,14 +338,18 @@ def test_libre_request():
     assert asked.settings == {"nbest": 3, "beam": 4}
     unlimited = dataclasses.replace(OPTIONS, char_limit=-1)
     assert api.libre_request({**fields, "q": "a" * 1000}, unlimited, 4).texts == ["a" * 1000]
+    assert api.libre_request({**fields, "format": "html"}, OPTIONS, 4).html
+    assert not api.libre_request({**fields, "format": "text"}, OPTIONS, 4).html
 
 
 @pytest.mark.parametrize("fields, message", [
     ({"source": "en", "target": "de"}, "Invalid request: missing q parameter"),
     ({"q": "a", "target": "de"}, "Invalid request: missing source parameter"),
     ({"q": "a", "source": "en", "target": ""}, "Invalid request: missing target parameter"),
-    ({"q": "a", "source": "en", "target": "de", "format": "html"},
-     "format 'html' is not supported: attn translates plain text (format 'text')"),
+    ({"q": "a", "source": "en", "target": "de", "format": "xml"},
+     "Invalid request: format 'xml' is not supported: send format 'text' or 'html'"),
+    ({"q": "a", "source": "en", "target": "de", "format": ["html"]},
+     "Invalid request: format ['html'] is not supported: send format 'text' or 'html'"),
     ({"q": ["a", 1], "source": "en", "target": "de"},
      "Invalid request: q must be a string or a list of strings"),
     ({"q": "a" * 61, "source": "en", "target": "de"},
@@ -459,12 +463,69 @@ def test_languages_and_frontend_settings():
                                     {"code": "fr", "name": "French", "targets": ["de"]}]
     settings = api.frontend_settings(ServeOptions(api_key="k"), ANY)
     assert settings["charLimit"] == 10_000 and settings["keyRequired"] is True
-    assert settings["filesTranslation"] is True and settings["supportedFilesFormat"] == [".txt"]
+    assert settings["filesTranslation"] is True
+    assert settings["supportedFilesFormat"] == [".txt", ".html", ".htm"]
     assert settings["language"] == {"source": {"code": "auto", "name": "auto"},
                                     "target": {"code": "", "name": ""}}
     settings = api.frontend_settings(OPTIONS, PAIRS)
     assert settings["charLimit"] == 60
     assert settings["language"]["target"] == {"code": "de", "name": "German"}
+
+
+HTML = '<p>A <b>dog</b> runs. It <a href="/x">is</a> fast.</p><script>no()</script><p> </p>'
+
+
+def test_html_texts_are_read_as_documents_their_text_detected():
+    """Detection reads a document's text, not its markup (which would make a short text long);
+    each document's sentences are its runs', within the limits."""
+    calls = []
+
+    def detect(text, candidates):
+        calls.append(text)
+        return [("en", 90.0), ("fr", 10.0)]
+
+    long = f'<div class="{"x" * 60}">Le <i>chien</i>.</div>'  # long markup, short text
+    prepared = api.libre_texts([HTML, long], "auto", "de", True, PAIRS, detect, OPTIONS, "q",
+                               False)
+    assert calls == ["A dog runs. It is fast.\nLe chien."]  # both short: detected together
+    assert [route.model.id for route in prepared.routes] == ["en-de", "en-de"]
+    assert [document.sentences for document in prepared.documents] == [
+        ["A dog runs.", "It is fast."], ["Le chien."]]
+    assert [paragraph.sentences for paragraph in prepared.split.paragraphs] == [
+        ("A dog runs.", "It is fast."), ("Le chien.",)]
+    assert api.html_text("<p>a</p><!-- b --><style>c</style>\n<p>d &amp; e</p>") == "a\nd & e"
+    text = api.libre_texts(["A dog runs. It is fast."], "en", "de", False, PAIRS, None, OPTIONS,
+                           "q", True)
+    assert text.documents is None and text.split.sentences == ["A dog runs.", "It is fast."]
+    assert refused(api.libre_texts, ["<p>Go. Run.</p><p>Eat. Sit. Stay.</p>"], "en", "de", True,
+                   PAIRS, None, OPTIONS, "q", True) == (
+        422, "q holds 5 sentences; this server searches at most 4 in one request (--max-lines)")
+    assert refused(api.libre_texts, ["<p>A dog runs on the <b>green</b> grass.</p>"], "en",
+                   "de", True, PAIRS, None, OPTIONS, "file", True)[1].startswith(
+        "file holds a sentence of 30 characters")
+
+
+def test_html_outputs_render_each_sentences_kth_best_with_its_own_alignment():
+    documents, split = api.read_html([HTML, "<p></p>"], ["en", "xx-not a code"])
+    outputs = [[(Hypothesis([1, 2, 3], -1.0, -1.0), "Ein Hund rennt."),
+                (Hypothesis([4, 5], -2.0, -2.0), "Hund rennt.")],
+               [(Hypothesis([6, 7, 8], -0.5, -0.5), "Er ist schnell."), (NOT_FOUND, "")]]
+    asked = []
+
+    def align(lines, ids):  # word i with word i, each output's ids recorded
+        asked.append((lines, ids))
+        return [[(i, i) for i in range(3)] for _ in lines]
+
+    aligned = api.aligned_outputs(split.sentences, outputs, 2, align)
+    assert asked == [(["A dog runs.", "A dog runs.", "It is fast.", "It is fast."],
+                      [[1, 2, 3], [4, 5], [6, 7, 8], [6, 7, 8]])]  # not found: the best
+    rendered = api.html_outputs(documents, aligned, 2)
+    assert [(joined.score, text) for joined, text in rendered[0]] == [
+        (-1.5, '<p>Ein <b>Hund</b> rennt. Er <a href="/x">ist</a> schnell.</p>'
+               "<script>no()</script><p> </p>"),
+        (-2.5, '<p>Hund <b>rennt.</b> Er <a href="/x">ist</a> schnell.</p>'
+               "<script>no()</script><p> </p>")]
+    assert [(joined.score, text) for joined, text in rendered[1]] == [(0, "<p></p>")] * 2
 
 
 # ------------------------------------------------- POST /translate_file, GET /download_file
@@ -498,13 +559,17 @@ def test_file_request():
     fields = {"source": "en", "target": "de"}
     asked = api.file_request(fields, {"file": ("notes.TXT", "\ufeffOne.\nTwo.".encode())})
     assert asked == api.FileRequest("notes.TXT", "One.\nTwo.", True, "en", "de")
+    assert api.file_request(fields, {"file": ("Page.HTM", b"<p>Hi.</p>")}).html
+    assert api.media_type("a.html") == "text/html; charset=utf-8"
+    assert api.media_type("a.txt") == "text/plain; charset=utf-8"
     for files, extra, message in [
         ({}, {}, "Invalid request: missing file parameter"),
         ({"file": ("a.txt", b"")}, {"target": ""}, "Invalid request: missing target parameter"),
         ({"file": ("", b"x")}, {}, "Invalid request: empty file (the file field has no "
                                    "filename)"),
         ({"file": ("a.pdf", b"x")}, {}, "Invalid request: file format not supported: file "
-                                        "'a.pdf'; this server translates .txt files"),
+                                        "'a.pdf'; this server translates .txt, .html, .htm "
+                                        "files"),
         ({"file": ("a.txt", b"\xe9t\xe9")}, {}, "file 'a.txt' is not valid UTF-8 (byte 0)"),
     ]:
         assert refused(api.file_request, {**fields, **extra}, files) == (400, message)

@@ -227,8 +227,8 @@ def test_a_paragraph_keeps_every_sentence_in_order_and_its_spacing(server, train
      400, "missing q"),
     ("/translate", b"q=%FF&source=en&target=de",
      {"Content-Type": "application/x-www-form-urlencoded"}, 400, "not valid UTF-8"),
-    ("/translate", b'{"q": "a", "source": "en", "target": "de", "format": "html"}', None, 400,
-     "format 'html' is not supported"),
+    ("/translate", b'{"q": "a", "source": "en", "target": "de", "format": "xml"}', None, 400,
+     "format 'xml' is not supported"),
     ("/nowhere", b"", None, 404, "no such endpoint"),
 ])
 def test_bad_requests_get_a_4xx_with_a_clear_message(server, path, body, headers, status,
