@@ -176,3 +176,34 @@ async def run_clients(host: str, port: int, lines: list[str], clients: int,
     await asyncio.gather(*(client() for _ in range(clients)))
     return {"outputs": outputs, "latencies": latencies, "statuses": statuses,
             "seconds": time.perf_counter() - started}
+
+
+async def run_libre_clients(host: str, port: int, texts: list[str], clients: int,
+                            source: str = "en", target: str = "de") -> dict:
+    """As `run_clients`, through LibreTranslate's API: each text one `POST /translate` of
+    {q, source, target}, its answer's `translatedText` kept. What benchmarks/serve_load.py sends
+    `attn serve` and LibreTranslate (or a stand-in with its API) alike."""
+    outputs: list = [None] * len(texts)
+    latencies: list[float] = []
+    statuses: dict[int, int] = {}
+    following = iter(range(len(texts)))
+
+    async def client() -> None:
+        connection = Connection(host, port)
+        try:
+            for index in following:
+                body = json.dumps({"q": texts[index], "source": source, "target": target,
+                                   "format": "text"}).encode()
+                started = time.perf_counter()
+                status, _, answer = await connection.send("POST", "/translate", body)
+                latencies.append(time.perf_counter() - started)
+                statuses[status] = statuses.get(status, 0) + 1
+                if status == 200:
+                    outputs[index] = json.loads(answer)["translatedText"]
+        finally:
+            await connection.close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return {"outputs": outputs, "latencies": latencies, "statuses": statuses,
+            "seconds": time.perf_counter() - started}
