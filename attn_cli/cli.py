@@ -473,15 +473,44 @@ def decode(
         None, "--source-lang", metavar="CODE", help="The language whose rules "
         "--split-sentences cuts by (en, de, ja, pt-BR: its region ignored) [default: the "
         "model file's source language, if it names one; else English's rules]."),
+    prefix: bool = typer.Option(
+        False, "--prefix", help="Each line is `source<TAB>prefix` (a line without a tab has "
+        "no prefix): its outputs start with the prefix, as the target vocabulary's pieces of "
+        "its text, forced exactly (one ending mid-word may be continued or not), the search "
+        "going on from there; with --nbest N, the N best continuations (the beam's N best, "
+        "each through the prefix). A prefix with characters outside the vocabulary is an "
+        "error naming its line. --sample draws the tokens after the prefix. Not with "
+        "--split-sentences or --attention."),
+    alignment: bool = typer.Option(
+        False, "--alignment", help="After each output a TAB and its word alignment as Pharaoh "
+        "pairs `i-j` (source word i, output word j, from 0, over the whitespace words of the "
+        "line and of the output; sorted; an empty line gives a lone TAB), read off the "
+        "encoder-decoder attention in one teacher-forced pass per batch of outputs (an "
+        "ensemble's first model; with --nbest each line's own; with --split-sentences the "
+        "words of the whole line). Not with --raw."),
+    alignment_layer: Optional[int] = typer.Option(
+        None, "--alignment-layer", help="The decoder layer --alignment reads, its heads "
+        "averaged (a Python index, -1 the last, clamped to the layers there are) [default: -2, "
+        "the penultimate: Garg et al. 2019's choice; "
+        "issue 42 will choose layer and heads by alignment error rate]."),
     input_path: InputOption = "-",
     strict: StrictOption = False,
     stats_json: StatsJsonOption = None,
 ) -> None:
     """Translate stdin to stdout with beam search (paper §6.1), or by sampling: one line out
     per line in."""
-    from .translate import check_split_sentences, load_translator, sentence_language
+    from .translate import (
+        check_alignment,
+        check_split_sentences,
+        load_translator,
+        sentence_language,
+    )
 
     check_split_sentences(split_sentences, source_lang, nbest, attention is not None)
+    from .translate import check_prefix
+
+    check_prefix(prefix, split_sentences, attention is not None)
+    layer = check_alignment(alignment, alignment_layer, raw)
     started = time.perf_counter()
     translator = load_translator(model_path, beam, device=device.value, dtype=dtype.value,
                                  threads=threads, workers=workers, warn=log, alpha=alpha,
@@ -502,7 +531,8 @@ def decode(
     if split_sentences:
         lang, origin = sentence_language(source_lang, translator.langs)
         log(f"decode: lines cut into sentences by the rules of {lang!r} ({origin})")
-    stats = _stream(translator, input_path, strict, render, split_sentences, lang)
+    stats = _stream(translator, input_path, strict, render, split_sentences, lang, layer,
+                    prefix=prefix)
     if attention is not None:
         writer.write()
         log(f"decode: attention maps of {len(writer.pieces)} lines in {attention}")
@@ -663,7 +693,8 @@ def _write_stats(path: Path | None, stats, load_seconds: float) -> None:
 
 
 def _stream(translator, input_path: str, strict: bool, render=None,
-            split_sentences: bool = False, lang: str | None = None):
+            split_sentences: bool = False, lang: str | None = None,
+            alignment_layer: int | None = None, prefix: bool = False):
     """Lines of `input_path` through the translator to stdout, one (or nbest) out per line in
     (`translate.run`)."""
     from .files import display_name, open_binary
@@ -674,7 +705,8 @@ def _stream(translator, input_path: str, strict: bool, render=None,
     with open_binary(input_path) as stream:
         try:
             return run(translator, stream, out, display_name(input_path), render=render,
-                       policy=_utf8_policy(strict), split_sentences=split_sentences, lang=lang)
+                       policy=_utf8_policy(strict), split_sentences=split_sentences, lang=lang,
+                       alignment_layer=alignment_layer, prefix=prefix)
         finally:
             out.flush()
 

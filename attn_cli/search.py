@@ -105,9 +105,9 @@ class SearchModel(Protocol):
 
 
 class Constraint(Protocol):
-    """Which tokens each hypothesis may take next (`Unconstrained`, below, or parsing's
-    `attn_cli.parse.constraint.TreeConstraint`). Its state holds a (B', K) row per live hypothesis:
-    B' sentences still searching, K beams."""
+    """Which tokens each hypothesis may take next (`Unconstrained`, below, parsing's
+    `attn_cli.parse.constraint.TreeConstraint`, or decode's `attn_cli.prefix.PrefixConstraint`).
+    Its state holds a (B', K) row per live hypothesis: B' sentences still searching, K beams."""
 
     eos_column: int  # where EOS is among the candidates' columns
 
@@ -496,12 +496,14 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
            topk: int = 0, topp: float = 1.0, max_len_a: float = TRANSLATION.max_len_a,
            max_len_b: int = TRANSLATION.max_len_b, banned: tuple[int, ...] | None = None,
            longest: int | None = None,
-           cancelled: Callable[[], Iterable[int]] | None = None) -> list[list[Hypothesis]]:
+           cancelled: Callable[[], Iterable[int]] | None = None,
+           constraint: Constraint | None = None) -> list[list[Hypothesis]]:
     """Ancestral sampling (for back-translation): each sentence's next token drawn by `draw`
     from the model's distribution until EOS or its length limit (where EOS is forced), with
     `uniforms` (B, ≥ longest limit) the random numbers of each sentence (`sentence_uniforms`).
     Returns one hypothesis per sentence, its score the sum of the model's log-probabilities.
-    `cancelled`: as `beam_search`'s."""
+    `cancelled`: as `beam_search`'s. `constraint`: as `beam_search`'s, each sentence one
+    hypothesis (K = 1), drawn among its candidates (None: the free search, untouched)."""
     config = model.config
     batch, device = src_tokens.shape[0], src_tokens.device
     banned = banned_ids(config, banned, device)
@@ -516,14 +518,32 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
     scores = torch.zeros(batch, dtype=torch.float64, device=device)
     finished: list[Tensor] = []  # `finished_rows`, read after the search
     called_off = CalledOff(cancelled, batch, device)
+    if constraint is not None:
+        constraint = constraint.to(device)
+        state, first = constraint.start(batch, 1, device), torch.zeros(
+            (batch, 1), dtype=torch.long, device=device)  # every row's one "beam"
     for step in range(max(limit_lengths)):
         logits, cache = model.decode_step(tokens, cache)
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         log_probs.index_fill_(-1, banned, -math.inf)
-        if step + 1 in limit_lengths:
-            only_eos_at_limit(log_probs.unsqueeze(1), limits[active] <= step + 1, config.eos_id)
-        tokens = draw(log_probs, uniforms[active, step], temperature, topk, topp)
-        scores += log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).double()
+        if constraint is not None:  # the search's own code below, on the candidates' columns
+            at_limit = limits[active] <= step + 1
+            candidates, columns = constraint.candidates(
+                log_probs.unsqueeze(1), state, active, limits[active] - step - 1, at_limit)
+            if step + 1 in limit_lengths:
+                only_eos_at_limit(candidates, at_limit, constraint.eos_column)
+            picked = draw(candidates.squeeze(1), uniforms[active, step], temperature, topk,
+                          topp)
+            scores += candidates.squeeze(1).gather(1, picked.unsqueeze(1)).squeeze(1).double()
+            origin = first[:len(picked)]
+            tokens = constraint.token_ids(columns, origin, picked.unsqueeze(1)).squeeze(1)
+            state = constraint.advance(state, origin, tokens.unsqueeze(1))
+        else:
+            if step + 1 in limit_lengths:
+                only_eos_at_limit(log_probs.unsqueeze(1), limits[active] <= step + 1,
+                                  config.eos_id)
+            tokens = draw(log_probs, uniforms[active, step], temperature, topk, topp)
+            scores += log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).double()
         ends = tokens == config.eos_id
         called_off_rows = called_off.rows(active)
         leaving = ends if called_off_rows is None else ends | called_off_rows
@@ -540,6 +560,8 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
             active, tokens, history, scores = active[kept], tokens[kept], history[kept], \
                 scores[kept]
             cache = cache.reorder(kept, kept)
+            if constraint is not None:
+                state = constraint.select(state, first[:len(ends)], kept)
         history = torch.cat([history, tokens.unsqueeze(1)], dim=1)
     found: list[list[Hypothesis]] = [[] for _ in range(batch)]
     for sentence, hypothesis in read_hypotheses(finished):

@@ -9,6 +9,7 @@ are cut into sentences first (sentences.py), and all of them are searched in the
 
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 import math
@@ -17,7 +18,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from .errors import AttnError, batch_must_fit
 from .files import STRICT, Utf8Policy
 from .formats import BUFFER_SIZE, MAX_SOURCE_TOKENS, TRANSLATION, Stop
 from .modelfile import LoadedModel
+from .prefix import PrefixConstraint, split_prefix, unknown_pieces
 from .search import (
     Hypothesis,
     beam_search,
@@ -39,7 +41,7 @@ from .search import (
     sample,
     sentence_uniforms,
 )
-from .sentences import segmenter_language, split_texts
+from .sentences import Paragraph, SplitTexts, segmenter_language, split_texts
 
 # Each numeric setting's range: (lowest, highest, whether the lowest itself is allowed); None: no
 # bound. The one check of them, for every caller: the library, `attn serve`'s requests (whose
@@ -322,16 +324,18 @@ class Translator:
                                              int(limits.max()))
                 return sample(self.model, src, uniforms, options.temperature, options.topk,
                               options.topp, options.max_len_a, options.max_len_b,
-                              longest=self.longest_output, cancelled=cancelled)
+                              longest=self.longest_output, cancelled=cancelled,
+                              constraint=constraint)
             return beam_search(self.model, src, beam=options.beam, alpha=options.alpha,
                                max_len_a=options.max_len_a, max_len_b=options.max_len_b,
                                nbest=options.nbest, longest=self.longest_output,
                                constraint=constraint, stop=options.stop, cancelled=cancelled)
 
-    def translate_window(self, lines: list[str], first_line: int, unit: str = "line"
-                         ) -> list[list[Hypothesis]]:
+    def translate_window(self, lines: list[str], first_line: int, unit: str = "line",
+                         prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
         """Hypotheses for every line, in input order; an empty line gets [EMPTY_LINE]. Line i
-        is number first_line + i (warnings name it, sampling draws from it) of its `unit`."""
+        is number first_line + i (warnings name it, sampling draws from it) of its `unit`.
+        `prefixes[i]`: the target ids line i's outputs start with (`prefix.py`; [] none)."""
         results: list[list[Hypothesis] | None] = [None] * len(lines)
         todo = [i for i, line in enumerate(lines) if line.strip()]
         for i in set(range(len(lines))) - set(todo):
@@ -344,6 +348,9 @@ class Translator:
             def search_batch(batch: list[int]) -> list[list[Hypothesis]]:
                 constraint = self.constraint_for([lines[todo[i]] for i in batch]) \
                     if self.constraint_for else None
+                if prefixes is not None:
+                    constraint = prefix_constraint([prefixes[todo[i]] for i in batch],
+                                                   self.config.eos_id)
                 return self.search([ids[i] for i in batch], constraint,
                                    [first_line + todo[i] for i in batch])
 
@@ -412,6 +419,23 @@ class Translator:
         outputs = [hypothesis.tokens for hypothesis in best]
         return self.tgt_vocab.decode(outputs), self.align(list(lines), outputs)
 
+    def alignment_columns(self, lines: list[str], results: list[list[Hypothesis]],
+                          layer: int | None = None) -> list[list[str]]:
+        """`attn decode --alignment`: for each line, the Pharaoh pairs (`alignment.pharaoh`) of
+        each output it prints (the best; with nbest K its K, those not found aligning nothing),
+        all of the window's aligned in one `align` call: in batches, not line by line."""
+        from .alignment import pharaoh
+
+        nbest = self.options.nbest
+        printed = [hypotheses[:1] if nbest == 1
+                   else hypotheses + [NOT_FOUND] * (nbest - len(hypotheses))
+                   for hypotheses in results]
+        aligned = iter(self.align([line for line, outputs in zip(lines, printed)
+                                   for _ in outputs],
+                                  [hypothesis.tokens for outputs in printed
+                                   for hypothesis in outputs], layer))
+        return [[pharaoh(next(aligned)) for _ in outputs] for outputs in printed]
+
 
 def model_langs(metadata: dict[str, str]) -> tuple[str, str] | None:
     """The model file's (source, target) language codes (its metadata's `langs`, "en-de"), or
@@ -442,6 +466,21 @@ def check_split_sentences(split_sentences: bool, source_lang: str | None, nbest:
     sentence_language(source_lang, None)  # what is not a language code: refused now
 
 
+def check_alignment(alignment: bool, layer: int | None, raw: bool) -> int | None:
+    """The decoder layer `attn decode --alignment` reads alignments off (None: no alignments),
+    refused before a model loads where the options do not go together."""
+    from .alignment import DEFAULT_LAYER
+
+    if not alignment:
+        if layer is not None:
+            raise AttnError("--alignment-layer is the layer --alignment reads: add --alignment")
+        return None
+    if raw:
+        # the alignment numbers the words of the detokenized output, which --raw does not print
+        raise AttnError("--alignment numbers the words of the detokenized output: drop --raw")
+    return DEFAULT_LAYER if layer is None else layer
+
+
 def sentence_language(source_lang: str | None, langs: tuple[str, str] | None
                       ) -> tuple[str, str]:
     """The language whose rules `--split-sentences` cuts by, and where it came from: the code
@@ -459,6 +498,52 @@ def sentence_language(source_lang: str | None, langs: tuple[str, str] | None
     except ValueError:  # a model file's odd code costs the language's rules, not the decode
         pass
     return "en", "no source language known from the model"
+
+
+def check_prefix(prefix: bool, split_sentences: bool, attention: bool) -> None:
+    """`attn decode --prefix` with the options it goes with, refused before a model loads."""
+    if not prefix:
+        return
+    for given, option, why in ((split_sentences, "--split-sentences",
+                                "a line is several searches, and a prefix starts one output"),
+                               (attention, "--attention", "its maps are of unforced outputs")):
+        if given:
+            raise AttnError(f"--prefix does not go with {option} ({why}): decode without one "
+                            f"of them")
+
+
+def prefix_constraint(prefixes: list[list[int]], eos_id: int) -> PrefixConstraint | None:
+    """The search constraint of a batch's prefixes; None where no sentence has one, so that a
+    batch without prefixes is searched as without --prefix, at no extra cost."""
+    if not any(prefixes):
+        return None
+    return PrefixConstraint.for_batch(prefixes, eos_id)
+
+
+def split_prefixes(translator: Translator, window: list[str], name: str, first_line: int
+                   ) -> tuple[list[str], list[list[int]], AttnError | None]:
+    """A window of `source<TAB>prefix` lines (`run(prefix=True)`) → (the sources, each
+    prefix's target ids as SentencePiece cuts its text, the error of the first bad line or
+    None): the lines before a bad one come back to be translated and written before the error
+    is raised, as bad UTF-8's do. A prefix ending mid-word is forced as those pieces exactly:
+    the output may go on with the word or start another."""
+    sources, texts, error = [], [], None
+    for offset, line in enumerate(window):
+        try:
+            source, text = split_prefix(line, name, first_line + offset)
+        except AttnError as bad:
+            error = bad
+            break
+        sources.append(source)
+        texts.append(text)
+    ids = translator.tgt_vocab.encode(texts) if texts else []
+    unk = translator.config.unk_id
+    for offset, pieces in enumerate(ids):
+        if unk in pieces:
+            error = unknown_pieces(texts[offset], name, first_line + offset)
+            del sources[offset:], ids[offset:]
+            break
+    return sources, ids, error
 
 
 def search_workers(threads: int, workers: int, device: torch.device) -> tuple[int, int]:
@@ -506,12 +591,16 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
 
 def run(translator: Translator, stream, out, name: str = "<stdin>", render=None,
         policy: Utf8Policy = STRICT, split_sentences: bool = False,
-        lang: str | None = None) -> DecodeStats:
+        lang: str | None = None, alignment_layer: int | None = None,
+        prefix: bool = False) -> DecodeStats:
     """The pipe: windows of lines in, one line (or nbest lines) out per line in, in order.
     `render(index, line, hypotheses)` makes the output lines (default: translations); `policy`
     says what invalid UTF-8 does. `split_sentences`: each line cut into sentences by the rules
     of `lang` and translated as `Translator.translate_paragraphs` does (the best translation
-    only: no render, nbest 1)."""
+    only: no render, nbest 1). `alignment_layer`: each output line followed by a TAB and its
+    word alignment read off that decoder layer (`Translator.alignment_columns`); None: none,
+    and no work spent on them. `prefix`: each line is `source<TAB>prefix` (`split_prefixes`),
+    and its outputs start with the prefix."""
     if split_sentences and (render is not None or translator.options.nbest > 1):
         raise ValueError("split sentences are written as one line per line: no render, no nbest")
     render = render or (lambda index, line, hypotheses: translator.format(index, hypotheses))
@@ -523,16 +612,29 @@ def run(translator: Translator, stream, out, name: str = "<stdin>", render=None,
     try:
         for window in read_windows(stream, translator.options.buffer_size, name, policy):
             if split_sentences:
-                _write_split(translator, window, lang, out)
+                _write_split(translator, window, lang, out, alignment_layer)
             else:
-                results = translator.translate_window(window, line_number + 1)
+                prefixes = bad_line = None
+                if prefix:
+                    window, prefixes, bad_line = split_prefixes(translator, window, name,
+                                                                line_number + 1)
+                results = translator.translate_window(window, line_number + 1, "line",
+                                                      prefixes)
+                columns = None if alignment_layer is None else \
+                    translator.alignment_columns(window, results, alignment_layer)
                 for offset, hypotheses in enumerate(results):
-                    for text in render(line_number + offset, window[offset], hypotheses):
+                    texts = render(line_number + offset, window[offset], hypotheses)
+                    if columns is not None:
+                        texts = [f"{text}\t{column}"
+                                 for text, column in zip(texts, columns[offset], strict=True)]
+                    for text in texts:
                         out.write(text + "\n")
                     if window[offset].strip():
                         stats.sentences += 1
                         stats.output_tokens += len(hypotheses[0].tokens) + 1
             out.flush()
+            if not split_sentences and bad_line is not None:
+                raise bad_line
             line_number += len(window)
     finally:
         translator.close()
@@ -542,9 +644,11 @@ def run(translator: Translator, stream, out, name: str = "<stdin>", render=None,
     return stats
 
 
-def _write_split(translator: Translator, lines: list[str], lang: str | None, out) -> None:
+def _write_split(translator: Translator, lines: list[str], lang: str | None, out,
+                 alignment_layer: int | None = None) -> None:
     """One window of `run(split_sentences=True)`: the lines' sentences searched together, each
-    line's translations joined with its spacing, one line out per line in."""
+    line's translations joined with its spacing, one line out per line in (with
+    `alignment_layer`, a TAB and the line's alignment after it: `split_alignments`)."""
     stats = translator.stats
     split = split_texts(lines, lang)
     # Sentences are numbered on from those of the windows before: sampling then draws for a
@@ -552,8 +656,49 @@ def _write_split(translator: Translator, lines: list[str], lang: str | None, out
     # sentence per line), however the lines fall into windows.
     results = translator.translate_window(split.sentences, stats.sentences + 1, unit="sentence")
     best = [hypotheses[0] for hypotheses in results]
-    for text in split.join(translator.detokenize(best)):
+    outputs = translator.detokenize(best)
+    texts = split.join(outputs)
+    if alignment_layer is not None:
+        aligned = translator.align(split.sentences, [hypothesis.tokens for hypothesis in best],
+                                   alignment_layer)
+        texts = [f"{text}\t{column}"
+                 for text, column in zip(texts, split_alignments(split, outputs, aligned))]
+    for text in texts:
         out.write(text + "\n")
     stats.sentences += len(best)
     stats.output_tokens += sum(len(hypothesis.tokens) + 1 for hypothesis in best)
     stats.split_lines += sum(1 for paragraph in split.paragraphs if paragraph.sentences)
+
+
+def split_alignments(split: SplitTexts, outputs: list[str],
+                     aligned: list[list[tuple[int, int]]]) -> list[str]:
+    """Each line's Pharaoh pairs (`--split-sentences --alignment`) from its sentences' own
+    (`aligned[k]`, sentence k's words with those of its translation `outputs[k]`): each word of
+    a sentence renumbered as the word of the line holding it, and likewise on the output side,
+    by where the word lies in the joined text. Exact even where joining merges two words
+    (spacing ""), which then share a number."""
+    from .alignment import pharaoh
+
+    columns, first = [], 0
+    for paragraph in split.paragraphs:
+        count = len(paragraph.sentences)
+        sources = _line_words(paragraph, paragraph.sentences)
+        targets = _line_words(paragraph, outputs[first:first + count])
+        columns.append(pharaoh(sorted({(sources[k][i], targets[k][j]) for k in range(count)
+                                       for i, j in aligned[first + k]})))
+        first += count
+    return columns
+
+
+def _line_words(paragraph: Paragraph, parts: Sequence[str]) -> list[list[int]]:
+    """For each of `parts` (a paragraph's sentences or their translations), the word of
+    `paragraph.join(parts)` each of its whitespace words lies in."""
+    from .alignment import word_spans
+
+    starts = [start for start, _ in word_spans(paragraph.join(parts))]
+    places, offset = [], len(paragraph.spacing[0])
+    for part, after in zip(parts, paragraph.spacing[1:]):
+        places.append([bisect.bisect_right(starts, offset + start) - 1
+                       for start, _ in word_spans(part)])
+        offset += len(part) + len(after)
+    return places

@@ -50,7 +50,9 @@ LANGUAGE_NAMES = {
 SEARCH_FIELDS = {"beam": int, "nbest": int, "alpha": float, "max_len_a": float,
                  "max_len_b": int, "stop": str, "sample": bool, "topk": int, "topp": float,
                  "temperature": float, "seed": int, "raw": bool}
-V1_FIELDS = {"text", "model", "source", "target", "split", "scores", "api_key", *SEARCH_FIELDS}
+V1_FIELDS = {"text", "model", "source", "target", "split", "scores", "alignment", "prefix",
+             "api_key",
+             *SEARCH_FIELDS}
 # Integers in a body longer than this are refused: every integer a request may send (a beam, a
 # seed) fits in 64 bits, and Python refuses to read more than 4,300 digits anyway (an error
 # that was a 500).
@@ -434,6 +436,7 @@ class V1Request:
     scores: bool  # the answer has the scores (always with nbest > 1)
     model: Served  # the model it asks for
     split: bool = False  # each line cut into sentences, searched apart, joined again
+    alignment: bool = False  # the answer has each translation's word alignment
 
 
 def v1_request(fields: dict, options: ServeOptions, served: Sequence[Served]) -> V1Request:
@@ -451,12 +454,53 @@ def v1_request(fields: dict, options: ServeOptions, served: Sequence[Served]) ->
         raise Problem(422, f"text must be a list of strings, not {_json_type(text)}")
     check_lines(lines, "text", options)
     flags = {}
-    for name in ("scores", "split"):
+    for name in ("scores", "split", "alignment"):
         flags[name] = fields.get(name, False)
         if not isinstance(flags[name], bool):
             raise Problem(422, f"{name} must be true or false, not {_json_type(flags[name])}")
+    if flags["split"] and flags["alignment"]:
+        # `attn decode --split-sentences --alignment` renumbers the sentences' words within
+        # the line; the server does not yet
+        raise Problem(422, "alignment is of lines searched whole: send one sentence per line "
+                      "without split")
+    if flags["alignment"] and fields.get("raw") is True:
+        # the pairs number the words of the detokenized text, which raw does not answer
+        raise Problem(422, "alignment numbers the words of the detokenized translation: drop "
+                      "raw")
     return V1Request(lines, search_settings(fields, options.max_beam), isinstance(text, str),
-                     flags["scores"], model, flags["split"])
+                     flags["scores"], model, flags["split"], flags["alignment"])
+
+
+def v1_prefixes(fields: dict, asked: V1Request) -> list[str] | None:
+    """The `prefix` field of a /v1/translate body (`attn decode --prefix`): each line's target
+    prefix, its outputs starting with it; a list of strings (or nulls: no prefix), one per
+    line, or one string for one `text`; null or absent: none. Or the Problem with it."""
+    value = fields.get("prefix")
+    if value is None:
+        return None
+    if asked.split:
+        raise Problem(422, "prefix starts one output, and split searches a text as several "
+                      "sentences: send one sentence per line without split")
+    prefixes = [value] if asked.single and isinstance(value, str) else value
+    shape = "a string, as text is" if asked.single else "a list of strings, one per line"
+    if not isinstance(prefixes, list) or len(prefixes) != len(asked.lines) or not all(
+            prefix is None or isinstance(prefix, str) for prefix in prefixes):
+        raise Problem(422, f"prefix must be {shape} (or null), not {_json_type(value)}"
+                      + (f" of {len(value)}" if isinstance(value, list) else ""))
+    return [prefix or "" for prefix in prefixes]
+
+
+def prefix_ids(prefixes: Sequence[str], encode: Callable[[list[str]], list[list[int]]],
+               unk_id: int) -> list[list[int]]:
+    """Each prefix's target ids (`encode`: the model's target vocabulary's), or the Problem of
+    the first with a piece outside the vocabulary: forced, `<unk>` would mean nothing."""
+    ids = encode(list(prefixes))
+    for place, (prefix, pieces) in enumerate(zip(prefixes, ids)):
+        if unk_id in pieces:
+            where = "prefix" if len(prefixes) == 1 else f"prefix[{place}]"
+            raise Problem(422, f"{where} {prefix!r} has characters outside the model's target "
+                          "vocabulary: remove them")
+    return ids
 
 
 def pick_model(fields: dict, served: Sequence[Served]) -> Served:
@@ -495,10 +539,13 @@ def pick_model(fields: dict, served: Sequence[Served]) -> Served:
     return served[0]
 
 
-def v1_answer(model_id: str, asked: V1Request, outputs: list, nbest: int) -> dict:
+def v1_answer(model_id: str, asked: V1Request, outputs: list, nbest: int,
+              alignments: list | None = None) -> dict:
     """The answer: each line's translation (with nbest K, its K, as `attn decode --nbest K`
     prints them) and, if asked or nbest > 1, the scores. `outputs`: each line's
-    `Translator.outputs` (split: `joined_outputs`)."""
+    `Translator.outputs` (split: `joined_outputs`). `alignments` (asked with `alignment`):
+    each output's (`output_alignments`), answered beside the translations and in their shape,
+    each a list of [source word, output word] pairs (`attn decode --alignment`'s)."""
     translations, scores = [], []
     for output in outputs:
         texts = [text for _, text in output]
@@ -509,7 +556,24 @@ def v1_answer(model_id: str, asked: V1Request, outputs: list, nbest: int) -> dic
                "translations": translations[0] if asked.single else translations}
     if asked.scores or nbest > 1:
         payload["scores"] = scores[0] if asked.single else scores
+    if alignments is not None:
+        pairs = [[[list(pair) for pair in alignment] for alignment in line]
+                 for line in alignments]
+        pairs = [line[0] for line in pairs] if nbest == 1 else pairs
+        payload["alignments"] = pairs[0] if asked.single else pairs
     return payload
+
+
+def output_alignments(lines: Sequence[str], outputs: Sequence,
+                      align: Callable[[list[str], list[list[int]]], list]) -> list:
+    """The alignment of every output of each line (`Translator.outputs`' (hypothesis, text),
+    one not found aligning nothing) with the line, by `align(lines, token ids)`
+    (`Translator.align`: one teacher-forced pass for all of them), in `outputs`' shape. Unlike
+    `aligned_outputs`, an output not found stays as it is: the answer's texts do not change
+    with `alignment`."""
+    aligned = iter(align([line for line, output in zip(lines, outputs) for _ in output],
+                         [hypothesis.tokens for output in outputs for hypothesis, _ in output]))
+    return [[next(aligned) for _ in output] for output in outputs]
 
 
 def _score(value: float) -> float | None:

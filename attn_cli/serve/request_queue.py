@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..batching import fits
-from ..translate import EMPTY_LINE, Translator
+from ..translate import EMPTY_LINE, Translator, prefix_constraint
 
 
 class QueueFull(Exception):
@@ -53,6 +53,8 @@ class Job:
     remaining: int = 0
     arrived: float = 0.0
     cancelled: bool = False  # set once, under the queue's lock; read by the search unlocked
+    # Each line's target prefix ids (`prefix.py`: its outputs start with them); None: none.
+    prefixes: list | None = None
     # Each line's source ids, EOS included; None for an empty line (its output needs no search).
     sources: list = field(init=False)
 
@@ -238,7 +240,12 @@ class RequestQueue:
         translator = batch[0].job.translator
         finished, failure = [], None
         try:
-            found = translator.search([line.ids for line in batch], None,
+            # Lines with and without prefixes share a batch: an empty prefix forces nothing,
+            # and a batch with none is searched without a constraint.
+            constraint = prefix_constraint([[] if line.job.prefixes is None
+                                            else line.job.prefixes[line.index]
+                                            for line in batch], translator.config.eos_id)
+            found = translator.search([line.ids for line in batch], constraint,
                                       [line.index + 1 for line in batch], called_off(batch))
             outputs = [None if line.job.cancelled else translator.outputs(hypotheses)
                        for line, hypotheses in zip(batch, found)]

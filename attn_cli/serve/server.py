@@ -185,12 +185,14 @@ class Service:
         return self.detector.rank(text, candidates)
 
     async def translate(self, parts: list[tuple[api.Served, list[str]]], settings: dict,
-                        client_gone, name: str = "request") -> list:
+                        client_gone, name: str = "request",
+                        prefixes: list[str] | None = None) -> list:
         """The jobs of a request, one per model it needs (`parts`: each model with its lines),
         searched with `settings` (DecodeOptions fields), once every line has its output:
         refused (422) before any search if their work together is over --max-request-tokens,
         cancelled if the client goes away first (`client_gone()` returns: 499) or
-        --request-timeout passes (504). `name` names the request in warnings."""
+        --request-timeout passes (504). `name` names the request in warnings. `prefixes`: each
+        line's target prefix (`api.v1_prefixes`), for a request of one part only."""
         if not self.ready:
             raise Problem(503, "the models are still loading (GET /health says when they are "
                           "ready)", {"Retry-After": "1"})
@@ -211,8 +213,11 @@ class Service:
             def done(job, answered=answered) -> None:  # from a search worker
                 loop.call_soon_threadsafe(_resolve, answered, job)
 
-            cached = self.operations.look_up(translator, lines)  # those found are not searched
-            jobs.append(Job(cached.to_search, translator, done, name=name))
+            ids = None if prefixes is None else api.prefix_ids(
+                prefixes, translator.tgt_vocab.encode, translator.config.unk_id)
+            # those found are not searched
+            cached = self.operations.look_up(translator, lines, ids)
+            jobs.append(Job(cached.to_search, translator, done, name=name, prefixes=ids))
             answers.append(answered)
             lookups.append(cached)
         api.check_work(sum(job.work for job in jobs), self.options.max_request_tokens)
@@ -318,6 +323,7 @@ async def translate_v1(request):
     fields = api.json_fields(await read_body(request, service.options.max_body))
     api.check_key(service.options.api_key, request.headers, fields)
     asked = api.v1_request(fields, service.options, service.served)
+    prefixes = api.v1_prefixes(fields, asked)
     if asked.split:
         source = asked.model.langs[0] if asked.model.langs else None
         routes = [api.Route(asked.model, source)] * len(asked.lines)
@@ -325,8 +331,16 @@ async def translate_v1(request):
                                     "text", asked.single)
         outputs, nbest = await _translate_split(request, split, routes, asked.settings)
     else:
-        (job,) = await _search(request, [(asked.model, asked.lines)], asked.settings)
+        (job,) = await _search(request, [(asked.model, asked.lines)], asked.settings,
+                               prefixes)
         outputs, nbest = job.outputs, job.translator.options.nbest
+        if asked.alignment:
+            # a teacher-forced pass of the model over the request's lines (`Translator.align`),
+            # off the event loop as `_translate_html`'s; the lines as sent (the cache blanks
+            # those it answers in `job.lines`)
+            alignments = await asyncio.to_thread(api.output_alignments, asked.lines, outputs,
+                                                 job.translator.align)
+            return answer(api.v1_answer(asked.model.id, asked, outputs, nbest, alignments))
     return answer(api.v1_answer(asked.model.id, asked, outputs, nbest))
 
 
@@ -520,12 +534,14 @@ async def read_body(request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _search(request, parts: list[tuple[api.Served, list[str]]], settings: dict) -> list:
+async def _search(request, parts: list[tuple[api.Served, list[str]]], settings: dict,
+                  prefixes: list[str] | None = None) -> list:
     """The service's jobs for a request's lines (`parts`: each model's; counted in its log
     line), cancelled if its client goes away."""
     request.state.lines = sum(len(lines) for _, lines in parts)
     return await request.app.state.service.translate(
-        parts, settings, lambda: _client_gone(request), name=f"serve: request #{request.state.id}")
+        parts, settings, lambda: _client_gone(request), name=f"serve: request #{request.state.id}",
+        prefixes=prefixes)
 
 
 async def _translate_split(request, split, routes: list[api.Route], settings: dict

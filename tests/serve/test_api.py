@@ -225,8 +225,9 @@ def test_v1_request_picks_a_model_by_id_or_pair():
 
 
 @pytest.mark.parametrize("fields, served, status, message", [
-    ({"txt": ["a"]}, ONE, 422, "unknown field 'txt' (fields: alpha, beam, max_len_a, max_len_b, "
-                               "model, nbest, raw, sample, scores, seed, source, split, stop, "
+    ({"txt": ["a"]}, ONE, 422, "unknown field 'txt' (fields: alignment, alpha, beam, max_len_a, "
+                               "max_len_b, model, nbest, prefix, raw, sample, scores, seed, "
+                               "source, split, stop, "
                                "target, temperature, text, topk, topp)"),
     ({"text": ["a"], "model": "other"}, ONE, 404, "unknown model 'other': this server has 'm' "
                                                   "(GET /v1/models)"),
@@ -273,6 +274,33 @@ def test_v1_answers_one_output_per_line_and_k_with_nbest():
     assert answer == {"model": "m", "translations": [["A", "A2", ""], ["", "", ""]],
                       "scores": [[-0.5, -0.7, None], [0.0, None, None]]}
     assert json.loads(json.dumps(answer)) == answer
+
+
+def test_v1_alignments_sit_beside_the_translations_in_their_shape():
+    asked = api.v1_request({"text": ["a b", ""], "alignment": True}, OPTIONS, ONE)
+    assert asked.alignment
+    outputs = [[(Hypothesis([7, 8], -0.5, -0.5), "B A")], output(("", 0.0))]
+    seen = []
+
+    def align(lines, tokens):  # Translator.align's contract, called once for every output
+        seen.append((lines, tokens))
+        return [[(0, 1), (1, 0)] if ids else [] for ids in tokens]
+
+    alignments = api.output_alignments(asked.lines, outputs, align)
+    assert seen == [(["a b", ""], [[7, 8], []])]
+    answer = api.v1_answer("m", asked, outputs, 1, alignments)
+    assert answer["translations"] == ["B A", ""]
+    assert answer["alignments"] == [[[0, 1], [1, 0]], []]
+    nbest = [outputs[0] + [(NOT_FOUND, "")]]  # a K-th not found: its text stays "", no pairs
+    answer = api.v1_answer("m", dataclasses.replace(asked, single=True), nbest, 2,
+                           api.output_alignments(["a b"], nbest, align))
+    assert answer["translations"] == ["B A", ""]
+    assert answer["alignments"] == [[[0, 1], [1, 0]], []]
+    assert refused(api.v1_request, {"text": "a", "split": True, "alignment": True}, OPTIONS,
+                   ONE) == (422, "alignment is of lines searched whole: send one sentence per "
+                                 "line without split")
+    assert refused(api.v1_request, {"text": "a", "raw": True, "alignment": True}, OPTIONS,
+                   ONE)[1].endswith("drop raw")
 
 
 # ------------------------------------------------------------------------------- sentences
@@ -631,3 +659,24 @@ def test_the_api_and_the_server_module_import_neither_torch_nor_starlette():
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True)
     assert found.stdout == "[]\n"
+
+
+def test_v1_prefixes_one_per_line_and_their_ids():
+    """`prefix` (`attn decode --prefix`): a string per line (null: none), or one string for one
+    text; refused with split, in another shape, or with a piece outside the vocabulary."""
+    lines = api.V1Request(["a", "b", "c"], {}, single=False, scores=False, model=ONE[0])
+    assert api.v1_prefixes({}, lines) is None
+    assert api.v1_prefixes({"prefix": ["x y", None, ""]}, lines) == ["x y", "", ""]
+    one = api.V1Request(["a"], {}, single=True, scores=False, model=ONE[0])
+    assert api.v1_prefixes({"prefix": "x"}, one) == ["x"]
+    for value in (["x"], "x", ["x", 1, "y"]):
+        status, message = refused(api.v1_prefixes, {"prefix": value}, lines)
+        assert status == 422 and "prefix must be a list of strings, one per line" in message
+    split = dataclasses.replace(lines, split=True)
+    assert refused(api.v1_prefixes, {"prefix": ["x"] * 3}, split)[0] == 422
+
+    def encode(texts):  # a toy vocabulary: "?" is outside it (<unk> is 1)
+        return [[1 if char == "?" else ord(char) for char in text] for text in texts]
+    assert api.prefix_ids(["ab", ""], encode, 1) == [[97, 98], []]
+    assert refused(api.prefix_ids, ["ab", "a?"], encode, 1) == (
+        422, "prefix[1] 'a?' has characters outside the model's target vocabulary: remove them")

@@ -145,3 +145,27 @@ def test_a_job_cancelled_midway_leaves_its_batch_and_the_others_get_their_output
     queue._search(batch)
     assert done == [kept] and gone.cancelled and queue.searching == 0
     assert texts(kept) == translator.translate(lines[:4])
+
+
+def test_requests_with_target_prefixes_share_batches_with_those_without():
+    """A job's prefixes (`/v1/translate`'s `prefix`) force its own lines only: on the committed
+    reversal model, each job gets what `translate_window` gives it alone."""
+    import json
+    from pathlib import Path
+
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    golden = json.loads((fixtures / "golden.json").read_text(encoding="utf-8"))
+    translator = load_translator(fixtures / golden["checkpoint"], device="cpu", threads=1,
+                                 workers=1)
+    requests = [golden["inputs"][0:3], golden["inputs"][3:5]]
+    prefixes = [translator.tgt_vocab.encode(["j j", "", "a"]), None]
+    jobs = [Job(text, translator, None, prefixes=ids) for text, ids in zip(requests, prefixes)]
+    queue = RequestQueue(workers=1, worker_threads=1, capacity=100, window_s=0.05)
+    try:
+        submit_and_wait(queue, jobs)
+    finally:
+        queue.close()
+    for job, text, ids in zip(jobs, requests, prefixes):
+        alone = translator.translate_window(text, 1, prefixes=ids)
+        assert texts(job) == [translator.outputs(hypotheses)[0][1] for hypotheses in alone]
+    assert texts(jobs[0])[0].startswith("j j") and texts(jobs[0])[2].startswith("a")

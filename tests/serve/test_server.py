@@ -109,6 +109,17 @@ def test_nbest_scores_and_sampling_match_decode(server, trained, lines):
     assert isinstance(answer["scores"], float)
 
 
+def test_alignments_are_decode_alignment_s(server, trained, lines):
+    """"alignment": true answers `attn decode --alignment`'s pairs beside the translations."""
+    model, _ = trained
+    expected = [row.split("\t") for row in decode(model, lines[:6], "--alignment")]
+    status, answer = call(server, "POST", "/v1/translate", {"text": lines[:6], "alignment": True})
+    assert status == 200
+    assert answer["translations"] == [text for text, _ in expected]
+    assert [" ".join(f"{i}-{j}" for i, j in pairs) for pairs in answer["alignments"]] == [
+        column for _, column in expected]
+
+
 def test_empty_lines_stay_in_place(server, trained, lines):
     model, _ = trained
     text = ["", lines[0], "   ", lines[1], ""]
@@ -270,8 +281,8 @@ COMPANIONS = {"alpha": b', "scores": true', **{name: b', "sample": true' for nam
                                                 ("topk", "topp", "temperature", "seed")}}
 # The (field, edge) pairs that are valid requests (200); every other pair is a 4xx.
 V1_ACCEPTED = {("text", "string"), ("model", "null"), ("source", "null"), ("target", "null"),
-               ("split", "true"), ("scores", "true"), ("sample", "true"),
-               ("raw", "true"), ("alpha", "5e-324"), ("max_len_a", "5e-324"),
+               ("split", "true"), ("scores", "true"), ("sample", "true"), ("alignment", "true"),
+               ("raw", "true"), ("prefix", "null"), ("alpha", "5e-324"), ("max_len_a", "5e-324"),
                ("topp", "5e-324"), ("topk", "2**63"), ("seed", "-1"), ("seed", "2**63")}
 LIBRE_ACCEPTED = {("q", "string"), ("alternatives", "true"), ("alternatives", "5e-324")}
 

@@ -1,0 +1,141 @@
+"""`attn decode --prefix` (prefix.py): outputs start with their line's target prefix, the search
+goes on from there, and without a prefix nothing changes. On the committed reversal model
+(tests/fixtures), whose outputs are its inputs' letters reversed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from attn_cli.translate import load_translator
+
+from .conftest import assert_clean_error, run_attn
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+GOLDEN = json.loads((FIXTURES / "golden.json").read_text(encoding="utf-8"))
+CHECKPOINT = FIXTURES / GOLDEN["checkpoint"]
+ON_CPU = ["--device", "cpu", "--threads", "1"]
+# Prefixes the model would not choose (its best outputs start otherwise), one per input, one
+# ending inside a word ("d d cj" on the piece "j"), one empty.
+PREFIXES = ["j j", "i g e b b", "d d cj", ""]
+INPUTS = GOLDEN["inputs"][:len(PREFIXES)]
+
+
+@pytest.fixture(scope="module")
+def translator():
+    return load_translator(CHECKPOINT, device="cpu", threads=1, workers=1)
+
+
+def prefix_ids(translator, texts):
+    return translator.tgt_vocab.encode(texts)
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_every_output_starts_with_its_prefix(beam):
+    lines = "".join(f"{source}\t{prefix}\n" for source, prefix in zip(INPUTS, PREFIXES))
+    result = run_attn("decode", "-m", CHECKPOINT, *ON_CPU, "--beam", beam, "--prefix",
+                      stdin=lines)
+    assert result.returncode == 0, result.stderr
+    outputs = result.stdout.splitlines()
+    assert len(outputs) == len(INPUTS)
+    for output, prefix in zip(outputs, PREFIXES):
+        assert output.startswith(prefix), (output, prefix)
+    assert outputs[3] == GOLDEN["beam4"][3]  # no prefix: the free search's
+
+
+def test_an_empty_prefix_or_no_tab_is_no_prefix():
+    lines = "".join(f"{source}\t\n" if i % 2 else f"{source}\n"
+                    for i, source in enumerate(GOLDEN["inputs"]))
+    result = run_attn("decode", "-m", CHECKPOINT, *ON_CPU, "--prefix", stdin=lines)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == GOLDEN["beam4"]
+
+
+def test_sampling_draws_after_the_prefix():
+    """--sample: each output starts with its prefix, and a line without one draws what it
+    draws without --prefix (the same seed and line number)."""
+    sample = ["--sample", "--seed", "3"]
+    lines = "".join(f"{source}\t{prefix}\n" for source, prefix in zip(INPUTS, PREFIXES))
+    forced = run_attn("decode", "-m", CHECKPOINT, *ON_CPU, *sample, "--prefix", stdin=lines)
+    free = run_attn("decode", "-m", CHECKPOINT, *ON_CPU, *sample,
+                    stdin="".join(f"{source}\n" for source in INPUTS))
+    assert forced.returncode == 0 and free.returncode == 0, forced.stderr + free.stderr
+    outputs = forced.stdout.splitlines()
+    assert all(output.startswith(prefix) for output, prefix in zip(outputs, PREFIXES))
+    assert outputs[3] == free.stdout.splitlines()[3]
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_the_best_outputs_own_start_as_prefix_changes_nothing(translator, beam):
+    """Forcing what the search would choose anyway gives its output and its score: the
+    constraint forces without distorting the model's log-probabilities."""
+    view = translator.with_options(beam=beam, nbest=1)
+    free = [hypotheses[0] for hypotheses in view.translate_window(INPUTS, 1)]
+    for k in (1, 3):
+        prefixes = [hypothesis.tokens[:k] for hypothesis in free]
+        forced = [hypotheses[0] for hypotheses in view.translate_window(INPUTS, 1,
+                                                                        prefixes=prefixes)]
+        assert forced == free
+
+
+def test_nbest_continuations_are_distinct_and_through_the_prefix(translator):
+    view = translator.with_options(beam=4, nbest=4)
+    prefixes = prefix_ids(view, PREFIXES)
+    for hypotheses, prefix in zip(view.translate_window(INPUTS, 1, prefixes=prefixes),
+                                  prefixes):
+        tokens = [tuple(hypothesis.tokens) for hypothesis in hypotheses]
+        assert len(tokens) == 4 and len(set(tokens)) == 4
+        assert all(list(t[:len(prefix)]) == prefix for t in tokens)
+        scores = [hypothesis.score for hypothesis in hypotheses]
+        assert scores == sorted(scores, reverse=True)
+
+
+def test_a_batch_mixing_prefixes_and_none_equals_each_line_alone(translator):
+    prefixes = prefix_ids(translator, PREFIXES)
+    together = translator.translate_window(INPUTS, 1, prefixes=prefixes)
+    alone = [translator.translate_window([source], 1, prefixes=[prefix])[0]
+             for source, prefix in zip(INPUTS, prefixes)]
+    # The same outputs; their scores as equal as a batch's padding lets float sums be.
+    assert [[h.tokens for h in hypotheses] for hypotheses in together] == \
+        [[h.tokens for h in hypotheses] for hypotheses in alone]
+    assert [h.score for hypotheses in together for h in hypotheses] == \
+        pytest.approx([h.score for hypotheses in alone for h in hypotheses], abs=1e-4)
+
+
+@pytest.mark.parametrize("stdin, fragments", [
+    ("g d j c d d\tj Z\n", ["<stdin>:1:", "'j Z'", "outside the model's target vocabulary"]),
+    ("g d j c d d\tj\tc\n", ["<stdin>:1:", "one tab per line"]),
+], ids=["unknown piece", "two tabs"])
+def test_a_bad_prefix_is_one_line_naming_it(stdin, fragments):
+    assert_clean_error(run_attn("decode", "-m", CHECKPOINT, *ON_CPU, "--prefix", stdin=stdin),
+                       *fragments)
+
+
+def test_the_lines_before_a_bad_prefix_are_written():
+    result = run_attn("decode", "-m", CHECKPOINT, *ON_CPU, "--prefix",
+                      stdin=f"{INPUTS[0]}\n{INPUTS[1]}\tZ\n{INPUTS[2]}\n")
+    assert result.returncode == 2
+    assert result.stdout.splitlines() == GOLDEN["beam4"][:1]
+    assert "<stdin>:2:" in result.stderr
+
+
+@pytest.mark.parametrize("option", [["--split-sentences"], ["--attention", "maps.st"]])
+def test_prefix_refuses_what_it_does_not_go_with(option, tmp_path):
+    result = run_attn("decode", "-m", CHECKPOINT, *ON_CPU, "--prefix", *option, stdin="a\n")
+    assert_clean_error(result, "--prefix does not go with", option[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [["--beam", "4", "--nbest", "2"], ["--sample"]],
+                         ids=["beam", "sample"])
+def test_a_gpu_forces_the_prefixes_a_cpu_does(options):
+    """The constraint's state lives on the search's device: CUDA tensors, the same outputs."""
+    lines = "".join(f"{source}\t{prefix}\n" for source, prefix in zip(INPUTS, PREFIXES))
+    common = ["decode", "-m", CHECKPOINT, "--dtype", "fp32", "--prefix", *options]
+    on_gpu = run_attn(*common, "--device", "cuda", stdin=lines)
+    on_cpu = run_attn(*common, *ON_CPU, stdin=lines)
+    assert on_gpu.returncode == 0, on_gpu.stderr
+    assert [line.rsplit("\t", 1)[-1] for line in on_gpu.stdout.splitlines()] == \
+        [line.rsplit("\t", 1)[-1] for line in on_cpu.stdout.splitlines()]
