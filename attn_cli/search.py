@@ -491,6 +491,25 @@ def draw(log_probs: Tensor, uniforms: Tensor, temperature: float = 1.0, topk: in
     return tokens.gather(1, pick.unsqueeze(1)).squeeze(1)
 
 
+def _draw_constrained(constraint: Constraint, state, first: Tensor, log_probs: Tensor,
+                      limits: Tensor, step: int, at_a_limit: bool, uniforms: Tensor,
+                      drawing: tuple[float, int, float], active: Tensor
+                      ) -> tuple[Tensor, Tensor, Any]:
+    """One step of `sample` under a constraint: the free step's code on the candidates'
+    columns, each live row one beam (`first`: zeros). Returns the tokens, their
+    log-probabilities and the constraint's new state."""
+    at_limit = limits <= step + 1
+    candidates, columns = constraint.candidates(log_probs.unsqueeze(1), state, active,
+                                                limits - step - 1, at_limit)
+    if at_a_limit:
+        only_eos_at_limit(candidates, at_limit, constraint.eos_column)
+    picked = draw(candidates.squeeze(1), uniforms, *drawing)
+    gained = candidates.squeeze(1).gather(1, picked.unsqueeze(1)).squeeze(1).double()
+    origin = first[:len(picked)]
+    tokens = constraint.token_ids(columns, origin, picked.unsqueeze(1)).squeeze(1)
+    return tokens, gained, constraint.advance(state, origin, tokens.unsqueeze(1))
+
+
 @torch.inference_mode()
 def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature: float = 1.0,
            topk: int = 0, topp: float = 1.0, max_len_a: float = TRANSLATION.max_len_a,
@@ -526,18 +545,12 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
         logits, cache = model.decode_step(tokens, cache)
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         log_probs.index_fill_(-1, banned, -math.inf)
-        if constraint is not None:  # the search's own code below, on the candidates' columns
-            at_limit = limits[active] <= step + 1
-            candidates, columns = constraint.candidates(
-                log_probs.unsqueeze(1), state, active, limits[active] - step - 1, at_limit)
-            if step + 1 in limit_lengths:
-                only_eos_at_limit(candidates, at_limit, constraint.eos_column)
-            picked = draw(candidates.squeeze(1), uniforms[active, step], temperature, topk,
-                          topp)
-            scores += candidates.squeeze(1).gather(1, picked.unsqueeze(1)).squeeze(1).double()
-            origin = first[:len(picked)]
-            tokens = constraint.token_ids(columns, origin, picked.unsqueeze(1)).squeeze(1)
-            state = constraint.advance(state, origin, tokens.unsqueeze(1))
+        if constraint is not None:
+            tokens, gained, state = _draw_constrained(
+                constraint, state, first, log_probs, limits[active], step,
+                step + 1 in limit_lengths, uniforms[active, step], (temperature, topk, topp),
+                active)
+            scores += gained
         else:
             if step + 1 in limit_lengths:
                 only_eos_at_limit(log_probs.unsqueeze(1), limits[active] <= step + 1,

@@ -153,29 +153,10 @@ async def run_clients(host: str, port: int, lines: list[str], clients: int,
                       fields: dict | None = None) -> dict:
     """`clients` connections sending `lines` one request per line, each the next line as soon
     as its answer is back. Returns the outputs (in line order), latencies, statuses, wall time."""
-    outputs: list = [None] * len(lines)
-    latencies: list[float] = []
-    statuses: dict[int, int] = {}
-    following = iter(range(len(lines)))
-
-    async def client() -> None:
-        connection = Connection(host, port)
-        try:
-            for index in following:
-                body = json.dumps({"text": [lines[index]], **(fields or {})}).encode()
-                started = time.perf_counter()
-                status, _, answer = await connection.send("POST", "/v1/translate", body)
-                latencies.append(time.perf_counter() - started)
-                statuses[status] = statuses.get(status, 0) + 1
-                if status == 200:
-                    outputs[index] = json.loads(answer)["translations"][0]
-        finally:
-            await connection.close()
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
-    return {"outputs": outputs, "latencies": latencies, "statuses": statuses,
-            "seconds": time.perf_counter() - started}
+    return await _closed_loop(
+        host, port, "/v1/translate", len(lines), clients,
+        lambda index: {"text": [lines[index]], **(fields or {})},
+        lambda answer: answer["translations"][0])
 
 
 async def run_libre_clients(host: str, port: int, texts: list[str], clients: int,
@@ -183,23 +164,33 @@ async def run_libre_clients(host: str, port: int, texts: list[str], clients: int
     """As `run_clients`, through LibreTranslate's API: each text one `POST /translate` of
     {q, source, target}, its answer's `translatedText` kept. What benchmarks/serve_load.py sends
     `attn serve` and LibreTranslate (or a stand-in with its API) alike."""
-    outputs: list = [None] * len(texts)
+    return await _closed_loop(
+        host, port, "/translate", len(texts), clients,
+        lambda index: {"q": texts[index], "source": source, "target": target,
+                       "format": "text"},
+        lambda answer: answer["translatedText"])
+
+
+async def _closed_loop(host: str, port: int, path: str, count: int, clients: int,
+                       payload, output) -> dict:
+    """`clients` keep-alive connections POSTing `payload(i)` to `path` for i in 0..count-1,
+    each the next as soon as its answer is back; `output(answer)` of each 200 kept."""
+    outputs: list = [None] * count
     latencies: list[float] = []
     statuses: dict[int, int] = {}
-    following = iter(range(len(texts)))
+    following = iter(range(count))
 
     async def client() -> None:
         connection = Connection(host, port)
         try:
             for index in following:
-                body = json.dumps({"q": texts[index], "source": source, "target": target,
-                                   "format": "text"}).encode()
+                body = json.dumps(payload(index)).encode()
                 started = time.perf_counter()
-                status, _, answer = await connection.send("POST", "/translate", body)
+                status, _, answer = await connection.send("POST", path, body)
                 latencies.append(time.perf_counter() - started)
                 statuses[status] = statuses.get(status, 0) + 1
                 if status == 200:
-                    outputs[index] = json.loads(answer)["translatedText"]
+                    outputs[index] = output(json.loads(answer))
         finally:
             await connection.close()
 
