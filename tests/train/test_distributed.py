@@ -359,7 +359,7 @@ def torchrun_script(nproc: int, script: Path, seconds: float, *args):
                                "SCORING_SECONDS": str(seconds)})
 
 
-@pytest.mark.slow
+@pytest.mark.long  # ~21 s on 2 cores: CI runs it after make test (-m long)
 def test_validation_by_bleu_on_two_processes_and_past_the_timeout(data_files, tmp_path):
     """Every process decodes a share of the validation set, the main one scores it. A slow
     scoring within --dist-timeout (1 s of 12) ends well, with a BLEU row at each save; one past
