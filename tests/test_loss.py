@@ -70,7 +70,10 @@ def test_projected_loss_under_fp16_autocast_keeps_the_gradients_of_rare_tokens(d
     computed in float32: equal, to float32's error, to (p - q)ᵀ h in float64 for the p of the
     same fp16 logits. (CPU autocast in fp16 makes the same casts as CUDA's.) On CUDA, TF32 off:
     a training process turns it on (10-bit mantissas: 6e-4 here, measured on an H100), and an
-    earlier test in this process may have."""
+    earlier test in this process may have. cuBLAS sums the fp16 logits in another order than the
+    CPU reference, so a few round to the neighbouring fp16 value (1.3e-4 in the worst of the
+    rare rows, measured on an H200): 1e-3 there, still 30x under what fp16's p would lose (a
+    p < 1e-6 keeps 4 bits or none)."""
     if device == "cuda":
         monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     generator = torch.Generator().manual_seed(5)
@@ -90,4 +93,4 @@ def test_projected_loss_under_fp16_autocast_keeps_the_gradients_of_rare_tokens(d
     assert rare.sum() > 1000 and (expected[rare] != 0).all()
     found = leaf.grad.double().cpu()[rare]
     error = (found - expected[rare]).norm(dim=1) / expected[rare].norm(dim=1)
-    assert error.max() < 1e-4, float(error.max())
+    assert error.max() < (1e-4 if device == "cpu" else 1e-3), float(error.max())
