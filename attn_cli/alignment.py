@@ -6,8 +6,12 @@ The paper's Figures 3-5 show heads whose attention follows the words. Garg et al
 "Jointly Learning to Align and Translate with Transformer Models"), whose recipe fairseq's
 alignment models follow, read alignments off the average of the heads of the penultimate decoder
 layer: each output piece is aligned with the source piece it attends to most (the source's </s>
-left out), and pieces are mapped to words. That layer, averaged over every head, is the default;
-`layer` and `heads` choose others (which is best, alignment error rate says).
+left out), and pieces are mapped to words. Alignment error rate against eflomal chose the layer
+by the decoder's depth (`default_layer`: the penultimate of six layers, the last of three), its
+heads averaged; `layer` and `heads` choose others. A model trained with
+guided alignment (`attn train --guided-alignment`, Garg et al.'s other half: one head supervised
+with external alignments) names its supervised layer and head in its config: that one head is
+then the default.
 
 The attention comes from a second, teacher-forced pass of the model over the source and the
 finished output: the weights the search computed as it went (the same model over the same
@@ -22,13 +26,22 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from .errors import AttnError
+
 if TYPE_CHECKING:
     from torch import Tensor
 
 # Pairs (source word, output word), sorted: one line's alignment.
 Alignment = list[tuple[int, int]]
 
-DEFAULT_LAYER = -2  # the penultimate decoder layer (a one-layer decoder's only one)
+def default_layer(layers: int) -> int:
+    """The decoder layer alignments are read off by default, chosen by alignment error rate
+    against eflomal on Multi30k test2016 (benchmarks/README.md, `alignment_aer.py`): the last of
+    a decoder of three layers or fewer (0.43 and 0.49 against the penultimate's 0.54 and 0.60),
+    the penultimate of a deeper one (Garg et al.'s choice for six layers; 0.824 against the
+    last's 0.836 for `base`). Heads averaged: a single head beat the average by 0.011 at most,
+    and which head that is belongs to one trained model."""
+    return -1 if layers <= 3 else -2
 WORD_START = "\u2581"  # SentencePiece's mark of a piece that begins a word ("▁")
 UNKNOWN_PIECE = "<unk>"  # decoded as " ⁇ ": a word of its own
 WORD = re.compile(r"\S+")
@@ -65,20 +78,37 @@ def layer_index(layer: int, layers: int) -> int:
     return min(max(layer, -layers), layers - 1) % layers
 
 
+def chosen_heads(config, layer: int | None = None, heads: Sequence[int] | None = None
+                 ) -> tuple[int, Sequence[int] | None]:
+    """The decoder layer (from 0) and heads (None: all) alignments are read off: those asked,
+    where `layer` is None the supervised layer of a model trained with guided alignment (its
+    config's `alignment_layer`), else `default_layer`'s; of the supervised layer, where `heads`
+    is None, the supervised head alone (`alignment_head`), the one trained to align."""
+    supervised = getattr(config, "alignment_layer", None)
+    if layer is None:
+        layer = default_layer(config.decoder_layers) if supervised is None else supervised
+    index = layer_index(layer, config.decoder_layers)
+    if heads is None and supervised is not None and index == supervised:
+        heads = [config.alignment_head]
+    return index, heads
+
+
 def alignment_attention(model, src_tokens: Tensor, tgt_input: Tensor,
-                        layer: int = DEFAULT_LAYER, heads: Sequence[int] | None = None) -> Tensor:
+                        layer: int | None = None, heads: Sequence[int] | None = None) -> Tensor:
     """The map alignments are read off, (B, T, S) in float32: the encoder-decoder attention of
-    decoder layer `layer` averaged over `heads` (None: all), in a teacher-forced pass over the
+    decoder layer `layer` averaged over `heads` (`chosen_heads`: by default a guided model's
+    supervised head, else the penultimate layer's heads), in a teacher-forced pass over the
     padded batch src_tokens (B, S), tgt_input (B, T) (BOS + output). Row t is the query that
     predicts output piece t; the columns of the source's </s> and padding are -inf."""
     from .model import AttentionWeights
 
+    layer, heads = chosen_heads(model.config, layer, heads)
     memory, src_mask = model.encode(src_tokens)
     # Only the encoder-decoder attention written out (`decoder=None`: the self-attention keeps
     # its fused kernel).
     weights = AttentionWeights(decoder=None)
     model.decode(tgt_input, memory, src_mask, weights)
-    chosen = weights.cross[layer_index(layer, len(weights.cross))]  # (B, H, T, S)
+    chosen = weights.cross[layer]  # (B, H, T, S)
     if heads is not None:
         chosen = chosen[:, list(heads)]
     attention = chosen.float().mean(dim=1)
@@ -103,7 +133,7 @@ def clamped(words: list[int], count: int) -> list[int]:
 
 def align(model, sources: list[list[int]], outputs: list[list[int]],
           source_words: list[list[int]], output_words: list[list[int]],
-          layer: int = DEFAULT_LAYER, heads: Sequence[int] | None = None,
+          layer: int | None = None, heads: Sequence[int] | None = None,
           sentences_per_pass: int = 32) -> list[Alignment]:
     """Each pair's alignment: `sources` and `outputs` the ids (no BOS, no EOS, neither empty),
     `source_words` and `output_words` the word of each id (`piece_words`)."""
@@ -135,7 +165,7 @@ def source_pieces(vocab, line: str) -> list[str]:
 
 
 def align_lines(model, src_vocab, tgt_vocab, lines: list[str], outputs: list[list[int]],
-                max_source: int, layer: int = DEFAULT_LAYER,
+                max_source: int, layer: int | None = None,
                 heads: Sequence[int] | None = None) -> list[Alignment]:
     """The alignment of each line with its output `outputs[i]` (output ids, as a search's
     `Hypothesis.tokens`): pairs over the words of the line and of the output's text (what
@@ -167,3 +197,48 @@ def align_lines(model, src_vocab, tgt_vocab, lines: list[str], outputs: list[lis
 def pharaoh(alignment: Alignment) -> str:
     """"0-0 1-2 2-1": the format of fast_align, GIZA++ and the alignment test sets."""
     return " ".join(f"{source}-{output}" for source, output in alignment)
+
+
+# ------------------------------------------------- reference alignments, for guided training
+
+
+def read_pharaoh(line: str, where: str, source_words: int, target_words: int,
+                 source_line: str = "the source line",
+                 target_line: str = "the target line") -> Alignment:
+    """The pairs (source word, target word) of one line of a Pharaoh alignment file ("0-0 1-2
+    2-1", words from 0, as fast_align and eflomal write them), each checked against the word
+    counts of its pair's lines (`source_line`, `target_line`: how the error names them). A bad
+    pair is an AttnError starting with `where` (the file and line)."""
+    pairs = set()
+    for token in line.split():
+        source, dash, target = token.partition("-")
+        if not (dash and source.isdigit() and target.isdigit() and source.isascii()
+                and target.isascii()):
+            raise AttnError(f"{where}: {token!r} is not a pair i-j of word numbers (Pharaoh "
+                            "format, words from 0: 0-0 1-2 2-1)")
+        for side, index, count, name in (("source", int(source), source_words, source_line),
+                                         ("target", int(target), target_words, target_line)):
+            if index >= count:
+                raise AttnError(f"{where}: pair {token} names {side} word {index}, but {name} "
+                                f"has {count} word{'s' * (count != 1)}"
+                                f"{f' (0-{count - 1})' if count > 1 else ''}")
+        pairs.add((int(source), int(target)))
+    return sorted(pairs)
+
+
+def piece_pairs(word_alignment: Alignment, source_words: Sequence[int],
+                target_words: Sequence[int]) -> list[tuple[int, int]]:
+    """Word pairs to piece pairs (source piece, target piece), sorted by target piece, then
+    source piece: every piece of source word i with every piece of target word j, for each
+    pair (i, j). `source_words` and `target_words` are the word of each piece
+    (`piece_words`)."""
+    def pieces_of(words: Sequence[int]) -> dict[int, list[int]]:
+        found: dict[int, list[int]] = {}
+        for piece, word in enumerate(words):
+            found.setdefault(word, []).append(piece)
+        return found
+
+    source_pieces_of, target_pieces_of = pieces_of(source_words), pieces_of(target_words)
+    return sorted({(s, t) for i, j in word_alignment
+                   for s in source_pieces_of.get(i, ()) for t in target_pieces_of.get(j, ())},
+                  key=lambda pair: (pair[1], pair[0]))

@@ -231,6 +231,11 @@ def binarize(
                                 help="Drop pairs with a side longer than this (subwords)."),
     threads: int = typer.Option(0, "--threads", help="Encoder threads (0: all cores)."),
     replace_invalid: bool = typer.Option(False, "--replace-invalid", help=REPLACE_INVALID_HELP),
+    alignments: Optional[str] = typer.Option(
+        None, "--alignments", metavar="FILE", help="Word alignments for `attn train "
+        "--guided-alignment`: a line per pair of SRC and TGT, in Pharaoh format (0-0 1-2 2-1: "
+        "source word - target word, whitespace words from 0; fast_align, eflomal), kept in "
+        "the data file in subword pieces."),
 ) -> None:
     """Encode a parallel corpus into a training data file (safetensors)."""
     from .data import binarize as binarize_corpus
@@ -247,7 +252,7 @@ def binarize(
         tgt_vocab = Vocabulary.from_file(tgt_vocab_path) if tgt_vocab_path else None
     policy = _utf8_policy(strict=not replace_invalid)
     stats = binarize_corpus(src, tgt, output, src_vocab, tgt_vocab, max_len=max_len,
-                            threads=threads, policy=policy)
+                            threads=threads, policy=policy, alignments_path=alignments)
     policy.finish()
     log(f"binarize: {stats.summary()}")
     log(f"binarize: wrote {output}")
@@ -349,6 +354,20 @@ def train(
         "kernels, which build a graph for every new batch shape (on an H100 with torch 2.11, "
         "base on WMT-shaped batches trained 4.4x slower with them); auto: torch chooses. CUDA "
         "only: no effect on a CPU."),
+    guided_alignment: bool = typer.Option(
+        False, "--guided-alignment", help="Not in the paper (Garg et al. 2019): train one "
+        "encoder-decoder attention head to follow the data file's word alignments (`attn "
+        "binarize --alignments`), adding --alignment-lambda x the cross-entropy of its "
+        "attention with them to the loss; the model file names the head, which `attn decode "
+        "--alignment` then reads."),
+    alignment_lambda: float = typer.Option(
+        TRAIN_DEFAULTS["alignment_lambda"], "--alignment-lambda", min=0.0,
+        help="Weight of the alignment loss (Garg et al.: 0.05)."),
+    alignment_layer: int = typer.Option(
+        TRAIN_DEFAULTS["alignment_layer"], "--alignment-layer", help="The decoder layer of the "
+        "supervised head, from 0, or from the last as -1 (default: the penultimate)."),
+    alignment_head: int = typer.Option(TRAIN_DEFAULTS["alignment_head"], "--alignment-head",
+                                       min=0, help="The supervised head of that layer."),
     vocab_size: Optional[int] = typer.Option(None, "--vocab-size", min=8,
                                              help="Vocabulary size for --dry-run without data."),
     nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Processes to plan the "
@@ -373,8 +392,10 @@ def train(
                         "data")
     from .train import loop as training
     from .train import report as train_report
+    from .train.guided import check_options as check_guidance_options
     from .train.start import check_init_preset
 
+    check_guidance_options(options)
     if init is not None:
         # A --preset typed beside --init must match the model's architecture; its default
         # only lends the recipe. (By name: Typer may bring its own copy of click's enum.)
@@ -481,6 +502,31 @@ def decode(
         "each through the prefix). A prefix with characters outside the vocabulary is an "
         "error naming its line. --sample draws the tokens after the prefix. Not with "
         "--split-sentences or --attention."),
+    constraints: bool = typer.Option(
+        False, "--constraints", help="Each line is `source<TAB>c1<TAB>c2…` (with --prefix: "
+        "`source<TAB>prefix<TAB>c1…`; a line without a tab has none): every output holds each "
+        "phrase c, as the target vocabulary's pieces of its text (\"Haus\" is \"▁Haus\": "
+        "\"Krankenhaus\" does not hold it), searched with dynamic beam allocation (Post & "
+        "Vilar 2018, Hu et al. 2019: fairseq's --constraints); an output that cannot hold them "
+        "within its length limit is warned about. Beam search only (--beam 1: greedy); not "
+        "with --split-sentences or --attention. An empty phrase, or one with characters "
+        "outside the vocabulary, is an error naming its line."),
+    constraint_search: str = typer.Option(
+        "misses", "--constraint-search", metavar="misses|all", help="With --constraints or "
+        "--glossary, which lines are searched with their phrases: `misses`, those whose output "
+        "without them misses one (the others keep it: a phrase the model writes anyway "
+        "changes nothing; the free search of every line first, then the misses again); `all`, "
+        "every line with phrases (dynamic beam allocation alone, as fairseq)."),
+    glossary: Optional[Path] = typer.Option(
+        None, "--glossary", help="A TSV of `source term<TAB>target term` lines (`#` lines "
+        "and blank ones skipped): each source term found in a line (whole words; a term in "
+        "lower case in any casing, one with a capital as written; overlapping terms longest "
+        "first) makes its target term a phrase the output must hold, as --constraints does. "
+        "With --split-sentences, each sentence's terms."),
+    ban: Optional[Path] = typer.Option(
+        None, "--ban", help="A file of phrases no output may hold, one per line (target "
+        "text, as its vocabulary pieces: CTranslate2's suppress_sequences); `#` lines and "
+        "blank ones skipped."),
     alignment: bool = typer.Option(
         False, "--alignment", help="After each output a TAB and its word alignment as Pharaoh "
         "pairs `i-j` (source word i, output word j, from 0, over the whitespace words of the "
@@ -490,9 +536,10 @@ def decode(
         "words of the whole line). Not with --raw."),
     alignment_layer: Optional[int] = typer.Option(
         None, "--alignment-layer", help="The decoder layer --alignment reads, its heads "
-        "averaged (a Python index, -1 the last, clamped to the layers there are) [default: -2, "
-        "the penultimate: Garg et al. 2019's choice; "
-        "issue 42 will choose layer and heads by alignment error rate]."),
+        "averaged (a Python index, -1 the last, clamped to the layers there are) [default: the "
+        "penultimate of a decoder over three layers deep, else the last, as alignment error "
+        "rate against eflomal chose (benchmarks/README.md); a model trained with "
+        "--guided-alignment: its supervised head]."),
     input_path: InputOption = "-",
     strict: StrictOption = False,
     stats_json: StatsJsonOption = None,
@@ -507,10 +554,11 @@ def decode(
     )
 
     check_split_sentences(split_sentences, source_lang, nbest, attention is not None)
-    from .translate import check_prefix
+    from .translate import check_controls, use_controls
 
-    check_prefix(prefix, split_sentences, attention is not None)
-    layer = check_alignment(alignment, alignment_layer, raw)
+    check_controls(prefix, constraints, split_sentences, attention is not None, sample,
+                   glossary is not None)
+    check_alignment(alignment, alignment_layer, raw)
     started = time.perf_counter()
     translator = load_translator(model_path, beam, device=device.value, dtype=dtype.value,
                                  threads=threads, workers=workers, warn=log, alpha=alpha,
@@ -518,7 +566,8 @@ def decode(
                                  stop=stop, sample=sample, topk=topk, topp=topp,
                                  temperature=temperature, seed=seed,
                                  batch_tokens=batch_tokens, buffer_size=buffer_size, raw=raw,
-                                 int8=int8)
+                                 int8=int8, constraint_search=constraint_search)
+    use_controls(translator, glossary, ban)
     loaded_in = time.perf_counter() - started
     log(f"decode: model loaded in {loaded_in:.2f}s")
     render = None
@@ -531,8 +580,8 @@ def decode(
     if split_sentences:
         lang, origin = sentence_language(source_lang, translator.langs)
         log(f"decode: lines cut into sentences by the rules of {lang!r} ({origin})")
-    stats = _stream(translator, input_path, strict, render, split_sentences, lang, layer,
-                    prefix=prefix)
+    stats = _stream(translator, input_path, strict, render, split_sentences, lang, alignment,
+                    alignment_layer, prefix=prefix, constraints=constraints)
     if attention is not None:
         writer.write()
         log(f"decode: attention maps of {len(writer.pieces)} lines in {attention}")
@@ -645,6 +694,14 @@ def serve(
     int8: Int8Option = False,
     threads: ThreadsOption = 0,
     workers: WorkersOption = 0,
+    glossary: Optional[Path] = typer.Option(
+        None, "--glossary", help="`attn decode --glossary`'s TSV for every request (both APIs; "
+        "with split, each sentence's terms): its terms found in a line become phrases the "
+        "output must hold. A /v1/translate request may add its own (`glossary`). With "
+        "several language pairs, every model takes it: give one of their common target "
+        "language."),
+    ban: Optional[Path] = typer.Option(
+        None, "--ban", help="`attn decode --ban`'s phrases, kept out of every output."),
 ) -> None:
     """Translate over HTTP with the models kept loaded (pip install 'attn[serve]'): POST
     /v1/translate, GET /v1/models, GET /health, and LibreTranslate's POST /translate (texts cut
@@ -669,14 +726,23 @@ def serve(
                            req_limit=req_limit,
                            metrics_auth_token=metrics_auth_token or None)
     options.check_defaults(beam, max_len_b)
+    # Read now: a bad line is an error before the server starts, not at a model's load.
+    from .glossary import Glossary
+
+    terms = Glossary.read(glossary) if glossary is not None else None
+    if ban is not None:
+        from .files import check_readable
+
+        check_readable(ban, "ban file")
 
     def load(files: list[Path]):
-        from .translate import load_translator
+        from .translate import load_translator, use_controls
 
         translator = load_translator(files, beam, device=device.value, dtype=dtype.value,
                                      threads=threads, workers=workers, warn=log, alpha=alpha,
                                      max_len_a=max_len_a, max_len_b=max_len_b, stop=stop,
                                      batch_tokens=batch_tokens, int8=int8)
+        use_controls(translator, terms, ban)
         _collector_on(loaded=True)
         return translator
 
@@ -694,7 +760,8 @@ def _write_stats(path: Path | None, stats, load_seconds: float) -> None:
 
 def _stream(translator, input_path: str, strict: bool, render=None,
             split_sentences: bool = False, lang: str | None = None,
-            alignment_layer: int | None = None, prefix: bool = False):
+            alignment: bool = False, alignment_layer: int | None = None,
+            prefix: bool = False, constraints: bool = False):
     """Lines of `input_path` through the translator to stdout, one (or nbest) out per line in
     (`translate.run`)."""
     from .files import display_name, open_binary
@@ -706,7 +773,8 @@ def _stream(translator, input_path: str, strict: bool, render=None,
         try:
             return run(translator, stream, out, display_name(input_path), render=render,
                        policy=_utf8_policy(strict), split_sentences=split_sentences, lang=lang,
-                       alignment_layer=alignment_layer, prefix=prefix)
+                       alignment=alignment, alignment_layer=alignment_layer, prefix=prefix,
+                       constraints=constraints)
         finally:
             out.flush()
 

@@ -59,6 +59,11 @@ class ModelConfig(Architecture):
     activation: str = "relu"
     attention_bias: bool = False
     output_bias: bool = False
+    # Guided alignment (not in the paper: Garg et al. 2019, `attn train --guided-alignment`): the
+    # decoder layer (from 0) and the head of it whose encoder-decoder attention was trained to
+    # follow word alignments; `attn decode --alignment` reads that head. None: no head was.
+    alignment_layer: int | None = None
+    alignment_head: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -75,6 +80,14 @@ class ModelConfig(Architecture):
         for name in ("encoder_layers", "decoder_layers", "d_model", "d_ff", "heads", "d_k", "d_v"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive")
+        if (self.alignment_layer is None) != (self.alignment_head is None):
+            problems.append("alignment_layer and alignment_head go together")
+        elif self.alignment_layer is not None and not (
+                0 <= self.alignment_layer < self.decoder_layers
+                and 0 <= self.alignment_head < self.heads):
+            problems.append(f"alignment_layer {self.alignment_layer} and alignment_head "
+                            f"{self.alignment_head} must name one of the {self.decoder_layers} "
+                            f"decoder layers (from 0) and one of its {self.heads} heads")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -82,10 +95,13 @@ class ModelConfig(Architecture):
     # (and read it).
     IMPORTED_OPTIONS: ClassVar[dict] = {"activation": "relu", "attention_bias": False,
                                         "output_bias": False}
+    # Written only when set: a model trained without guidance is the file it always was.
+    GUIDED_FIELDS: ClassVar[dict] = {"alignment_layer": None, "alignment_head": None}
 
     def to_json(self) -> str:
+        left_out = {**self.IMPORTED_OPTIONS, **self.GUIDED_FIELDS}
         fields = {name: value for name, value in dataclasses.asdict(self).items()
-                  if name not in self.IMPORTED_OPTIONS or value != self.IMPORTED_OPTIONS[name]}
+                  if name not in left_out or value != left_out[name]}
         return json.dumps({"version": CONFIG_FORMAT_VERSION, **fields}, sort_keys=True)
 
     @classmethod
@@ -267,6 +283,13 @@ class TrainOptions:
     grad_sync: str = _option("auto", on_resume=FREE)  # distributed.GRAD_SYNC
     # off: attention never on cuDNN's kernels (CUDA; devices.choose_cudnn_attention says why)
     cudnn_attention: str = _option("off", on_resume=FREE)
+    # Guided alignment (Garg et al. 2019; not in the paper): the data file's word alignments
+    # (`attn binarize --alignments`) supervise one encoder-decoder attention head, adding
+    # alignment_lambda × its cross-entropy with them to the loss (train/guided.py).
+    guided_alignment: bool = _option(False)
+    alignment_lambda: float = _option(0.05)
+    alignment_layer: int = _option(-2)  # a Python index over the decoder layers: penultimate
+    alignment_head: int = _option(0)
 
     def recipe(self) -> "Recipe":
         """The preset with this run's overrides: what the run actually uses."""

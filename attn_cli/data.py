@@ -2,12 +2,16 @@
 
 A data file is safetensors with, per side, flat int32 token ids (no BOS/EOS: the model adds them)
 and int64 offsets (n+1, offsets[i]:offsets[i+1] is pair i), the SentencePiece model bytes, and
-metadata: format, vocab checksums, counts, special ids. Memory stays bounded on both ends: binarize
+metadata: format, vocab checksums, counts, special ids. Made with `--alignments` (guided alignment,
+train/guided.py), it also holds each pair's word alignment in pieces, in the same layout: pairs
+(m, 2) of (source piece, target piece), int16 (int32 past --max-len 32767), sorted by target
+piece, and int64 offsets (n+1) into them. Memory stays bounded on both ends: binarize
 streams chunks through temporary files; the reader maps the file and touches only what it batches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import tempfile
@@ -30,6 +34,8 @@ from .files import (
     take_lines,
 )
 from .formats import (
+    ALIGNMENT_OFFSETS,
+    ALIGNMENT_PAIRS,
     BOS_ID,
     DATA_FORMAT,
     DATA_FORMAT_VERSION,
@@ -53,11 +59,14 @@ class BinarizeStats:
     src_tokens: int = 0
     tgt_tokens: int = 0
     seconds: float = 0.0
+    alignment_pairs: int | None = None  # piece pairs kept, with --alignments
 
     def summary(self) -> str:
+        aligned = "" if self.alignment_pairs is None else \
+            f", {self.alignment_pairs} aligned piece pairs"
         return (f"{self.lines} lines read, {self.pairs} pairs kept, {self.dropped_empty} dropped "
                 f"(empty side), {self.dropped_too_long} dropped (too long); "
-                f"{self.src_tokens} source + {self.tgt_tokens} target tokens in "
+                f"{self.src_tokens} source + {self.tgt_tokens} target tokens{aligned} in "
                 f"{self.seconds:.1f}s")
 
 
@@ -89,22 +98,90 @@ class _SideWriter:
                                     (self.total,), file=self.ids_path)]
 
 
-def _mismatch(src_path, tgt_path, src_handle, tgt_handle, src_count, tgt_count) -> AttnError:
+def _mismatch(src_path, tgt_path, src_handle, tgt_handle, src_count, tgt_count,
+              remedy: str = "") -> AttnError:
     src_count += sum(1 for _ in src_handle)
     tgt_count += sum(1 for _ in tgt_handle)
     return AttnError(f"line counts differ: {display_name(src_path)} has {src_count} lines, "
-                     f"{display_name(tgt_path)} has {tgt_count}")
+                     f"{display_name(tgt_path)} has {tgt_count}{remedy}")
 
 
-def _encode_side(raw_lines: list[bytes], path, first_line_number: int, vocabulary: Vocabulary,
-                 threads: int, policy: Utf8Policy) -> tuple[np.ndarray, np.ndarray]:
-    """One chunk of one side → (flat int32 ids, int64 lengths)."""
-    sequences = vocabulary.encode(decode_chunk(raw_lines, path, first_line_number, policy),
-                                  threads)
+def _encode_side(texts: list[str], vocabulary: Vocabulary,
+                 threads: int) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
+    """One chunk of one side → (flat int32 ids, int64 lengths, the ids of each line)."""
+    sequences = vocabulary.encode(texts, threads)
     lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
     flat_ids = np.fromiter(itertools.chain.from_iterable(sequences), dtype="<i4",
                            count=int(lengths.sum()))
-    return flat_ids, lengths
+    return flat_ids, lengths, sequences
+
+
+class _AlignmentWriter:
+    """`binarize --alignments`: each kept pair's Pharaoh word alignment as piece pairs, appended
+    to temporary files (memory does not grow), in the data file's layout (module docstring)."""
+
+    def __init__(self, directory: str, path, corpus: dict, max_len: int):
+        self.path, self.corpus = path, corpus
+        self.dtype = np.dtype("<i2") if max_len < 2 ** 15 else np.dtype("<i4")
+        self.pairs_path = Path(directory) / ALIGNMENT_PAIRS
+        self.offsets_path = Path(directory) / ALIGNMENT_OFFSETS
+        self.pairs = open(self.pairs_path, "wb")
+        self.offsets = open(self.offsets_path, "wb")
+        self.offsets.write(np.zeros(1, dtype="<i8").tobytes())
+        self.total = 0
+        self.count = 0
+
+    def chunk(self, raw_lines: list[bytes], first_line_number: int, texts: dict,
+              ids: dict, vocabularies: dict) -> list[list[tuple[int, int]]]:
+        """The piece pairs of each line of a chunk: its word pairs read and checked against the
+        words of its source and target lines (alignment.read_pharaoh: a bad one is an error
+        naming the file and line), each word mapped to its pieces (alignment.piece_words)."""
+        from .alignment import clamped, piece_pairs, piece_words, read_pharaoh, word_spans
+
+        lines = decode_chunk(raw_lines, self.path, first_line_number, STRICT)
+        pieces = {side: _pieces(vocabularies[side], texts[side], ids[side]) for side in SIDES}
+        found = []
+        for offset, line in enumerate(lines):
+            words = {side: len(word_spans(texts[side][offset])) for side in SIDES}
+            where = f"{display_name(self.path)} line {first_line_number + offset}"
+            number = first_line_number + offset
+            word_pairs = read_pharaoh(
+                line, where, words["src"], words["tgt"],
+                *(f"line {number} of {display_name(self.corpus[side])}" for side in SIDES))
+            if not word_pairs:
+                found.append([])
+                continue
+            owners = {side: clamped(piece_words(pieces[side][offset]), words[side])
+                      for side in SIDES}
+            found.append(piece_pairs(word_pairs, owners["src"], owners["tgt"]))
+        return found
+
+    def append(self, per_pair: list[list[tuple[int, int]]]) -> None:
+        lengths = np.fromiter(map(len, per_pair), dtype=np.int64, count=len(per_pair))
+        flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(per_pair)),
+                           dtype=self.dtype, count=2 * int(lengths.sum()))
+        flat.tofile(self.pairs)
+        (self.total + np.cumsum(lengths, dtype="<i8")).astype("<i8").tofile(self.offsets)
+        self.total += int(lengths.sum())
+        self.count += len(lengths)
+
+    def close(self) -> tuple[stfile.TensorSource, stfile.TensorSource]:
+        self.pairs.close()
+        self.offsets.close()
+        return (stfile.TensorSource(ALIGNMENT_OFFSETS, np.dtype("<i8"), (self.count + 1,),
+                                    file=self.offsets_path),
+                stfile.TensorSource(ALIGNMENT_PAIRS, self.dtype, (self.total, 2),
+                                    file=self.pairs_path))
+
+
+def _pieces(vocabulary: Vocabulary, texts: list[str], ids: list[list[int]]) -> list[list[str]]:
+    """The pieces of each line as text, one per id (an unknown piece keeps its surface and its
+    "▁", which its id would lose; where SentencePiece's own pieces are not one per id, the
+    pieces the ids name)."""
+    found = vocabulary.processor.encode(texts, out_type=str)
+    return [line_pieces if len(line_pieces) == len(line_ids)
+            else [vocabulary.piece(token) for token in line_ids]
+            for line_pieces, line_ids in zip(found, ids)]
 
 
 def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
@@ -112,12 +189,16 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
              tgt_vocab: Vocabulary | None = None, max_len: int = 1024, threads: int = 0,
              chunk_lines: int = 10_000,
              progress: Callable[[BinarizeStats], None] | None = None,
-             policy: Utf8Policy = STRICT) -> BinarizeStats:
+             policy: Utf8Policy = STRICT,
+             alignments_path: str | os.PathLike | None = None) -> BinarizeStats:
     """Encode a parallel corpus into a data file. Pairs with an empty side or a side of more
     than `max_len` subwords are dropped and counted. `tgt_vocab`: a separate target vocabulary.
-    `policy`: what invalid UTF-8 does (an error by default: training data should be clean)."""
-    if str(src_path) == "-" and str(tgt_path) == "-":
-        raise AttnError("source and target cannot both be stdin")
+    `policy`: what invalid UTF-8 does (an error by default: training data should be clean).
+    `alignments_path`: a Pharaoh word alignment of each pair (a line per pair, in order), kept
+    in pieces for guided alignment."""
+    stdin = [path for path in (src_path, tgt_path, alignments_path) if str(path) == "-"]
+    if len(stdin) > 1:
+        raise AttnError("only one of the source, the target and the alignments can be stdin")
     started = time.perf_counter()
     stats = BinarizeStats()
     vocabularies = {"src": src_vocab, "tgt": tgt_vocab or src_vocab}
@@ -126,22 +207,38 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
     paths = {"src": src_path, "tgt": tgt_path}
     try:
         with tempfile.TemporaryDirectory(prefix=".binarize.", dir=out_path.parent) as scratch, \
-                open_binary(src_path) as src_handle, open_binary(tgt_path) as tgt_handle:
+                open_binary(src_path) as src_handle, open_binary(tgt_path) as tgt_handle, \
+                _maybe_open(alignments_path) as align_handle:
             writers = {side: _SideWriter(scratch, side) for side in SIDES}
+            aligner = None if alignments_path is None else \
+                _AlignmentWriter(scratch, alignments_path, paths, max_len)
             while True:
                 raw = {"src": take_lines(src_handle, chunk_lines),
                        "tgt": take_lines(tgt_handle, chunk_lines)}
                 if len(raw["src"]) != len(raw["tgt"]):
                     raise _mismatch(src_path, tgt_path, src_handle, tgt_handle,
                                     stats.lines + len(raw["src"]), stats.lines + len(raw["tgt"]))
+                raw_alignments = None
+                if aligner is not None:
+                    raw_alignments = take_lines(align_handle, chunk_lines)
+                    if len(raw_alignments) != len(raw["src"]):
+                        raise _mismatch(alignments_path, src_path, align_handle, src_handle,
+                                        stats.lines + len(raw_alignments),
+                                        stats.lines + len(raw["src"]),
+                                        " (--alignments needs one line per training pair)")
                 if not raw["src"]:
                     break
-                encoded = {side: _encode_side(raw[side], paths[side], stats.lines + 1,
-                                              vocabularies[side], threads, policy)
-                           for side in SIDES}
+                texts = {side: decode_chunk(raw[side], paths[side], stats.lines + 1, policy)
+                         for side in SIDES}
                 del raw  # keep one chunk alive at a time: memory stays flat however long the corpus
-                _append_kept(encoded, writers, max_len, stats)
-                del encoded
+                encoded = {side: _encode_side(texts[side], vocabularies[side], threads)
+                           for side in SIDES}
+                aligned = None if aligner is None else aligner.chunk(
+                    raw_alignments, stats.lines + 1, texts,
+                    {side: encoded[side][2] for side in SIDES}, vocabularies)
+                del texts, raw_alignments
+                _append_kept(encoded, writers, max_len, stats, aligned, aligner)
+                del encoded, aligned
                 stats.pairs = writers["src"].count
                 stats.src_tokens, stats.tgt_tokens = writers["src"].total, writers["tgt"].total
                 if progress:
@@ -152,22 +249,39 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
                 raise AttnError(f"no pair left after dropping {stats.dropped_empty} with an empty "
                                 f"side and {stats.dropped_too_long} over {max_len} tokens")
             tensors = writers["src"].close() + writers["tgt"].close()
+            if aligner is not None:  # the 8-byte offsets first: every tensor stays aligned
+                align_offsets, align_pairs = aligner.close()
+                tensors = [align_offsets, *tensors, align_pairs]
+                stats.alignment_pairs = aligner.total
             tensors += [stfile.TensorSource(vocab_tensor(side), np.dtype(np.uint8),
                                             (len(vocabulary.model_bytes),),
                                             data=vocabulary.model_bytes)
                         for side, vocabulary in (("src", src_vocab), ("tgt", tgt_vocab))
                         if vocabulary is not None]
-            stfile.write_streaming(out_path, tensors, _data_metadata(
-                stats, src_vocab, tgt_vocab, max_len, src_path, tgt_path))
+            metadata = _data_metadata(stats, src_vocab, tgt_vocab, max_len, src_path, tgt_path)
+            if aligner is not None:
+                metadata["alignments_file"] = Path(display_name(alignments_path)).name
+                metadata["alignment_pairs"] = str(aligner.total)
+            stfile.write_streaming(out_path, tensors, metadata)
         stats.seconds = time.perf_counter() - started
     except OSError as error:  # a full disk, a quota, a read-only file system
         raise cannot_write(out_path, error) from None
     return stats
 
 
-def _append_kept(encoded: dict, writers: dict, max_len: int, stats: BinarizeStats) -> None:
-    """A chunk's pairs to the side writers, less those with an empty side or a side over
-    `max_len` subwords (counted in `stats`)."""
+@contextlib.contextmanager
+def _maybe_open(path):
+    if path is None:
+        yield None
+        return
+    with open_binary(path) as handle:
+        yield handle
+
+
+def _append_kept(encoded: dict, writers: dict, max_len: int, stats: BinarizeStats,
+                 aligned: list | None = None, aligner: _AlignmentWriter | None = None) -> None:
+    """A chunk's pairs to the side writers (and their alignments `aligned` to `aligner`), less
+    those with an empty side or a side over `max_len` subwords (counted in `stats`)."""
     lengths = {side: encoded[side][1] for side in SIDES}
     empty = (lengths["src"] == 0) | (lengths["tgt"] == 0)
     too_long = ~empty & ((lengths["src"] > max_len) | (lengths["tgt"] > max_len))
@@ -176,10 +290,12 @@ def _append_kept(encoded: dict, writers: dict, max_len: int, stats: BinarizeStat
     stats.dropped_empty += int(empty.sum())
     stats.dropped_too_long += int(too_long.sum())
     for side in SIDES:
-        flat_ids, side_lengths = encoded[side]
+        flat_ids, side_lengths = encoded[side][:2]
         if not keep.all():
             flat_ids = flat_ids[np.repeat(keep, side_lengths)]
         writers[side].append(flat_ids, side_lengths[keep])
+    if aligner is not None:
+        aligner.append([pairs for pairs, kept in zip(aligned, keep) if kept])
 
 
 def _data_metadata(stats: BinarizeStats, src_vocab: Vocabulary, tgt_vocab: Vocabulary | None,
@@ -229,6 +345,25 @@ class ParallelData:
                         for side in SIDES if vocab_tensor(side) in header.tensors}
         self.src_vocab = vocabularies["src"]
         self.tgt_vocab = vocabularies.get("tgt")
+        self.alignment_offsets = self.alignment_pairs = None
+        if ALIGNMENT_OFFSETS in header.tensors and ALIGNMENT_PAIRS in header.tensors:
+            self.alignment_offsets = stfile.memmap_tensor(path, header, ALIGNMENT_OFFSETS)
+            self.alignment_pairs = stfile.memmap_tensor(path, header, ALIGNMENT_PAIRS)
+            if (len(self.alignment_offsets) != len(self) + 1
+                    or self.alignment_pairs.ndim != 2 or self.alignment_pairs.shape[1] != 2
+                    or self.alignment_offsets[-1] != len(self.alignment_pairs)):
+                raise AttnError(f"data file {path} is corrupt (its alignments do not match "
+                                "its pairs)")
+
+    @property
+    def has_alignments(self) -> bool:
+        """Whether it was made with `attn binarize --alignments`."""
+        return self.alignment_offsets is not None
+
+    def alignment(self, index: int) -> np.ndarray:
+        """Pair `index`'s alignment, (k, 2) (source piece, target piece), sorted by target."""
+        return self.alignment_pairs[self.alignment_offsets[index]:
+                                    self.alignment_offsets[index + 1]]
 
     @property
     def shared_vocab(self) -> bool:

@@ -58,6 +58,13 @@ def offsets_tensor(side: str) -> str:
     return f"{side}.offsets"
 
 
+# Data files made with `attn binarize --alignments`: pair i's word alignment as (source piece,
+# target piece) rows, pairs[offsets[i]:offsets[i+1]] (offsets int64, n+1; pairs (m, 2) int16, or
+# int32 where --max-len is 32,768 or more).
+ALIGNMENT_OFFSETS = "align.offsets"
+ALIGNMENT_PAIRS = "align.pairs"
+
+
 # Model files store a shared embedding (source, target, pre-softmax: §3.4) once, under this name.
 SHARED_EMBEDDING = "tgt_embed.weight"
 SOURCE_EMBEDDING = "src_embed.weight"

@@ -8,7 +8,8 @@ at once, and the passes over them that autograd would make (log-softmax forward 
 one-hot fill, the sum of the two losses' gradients) shrink to a log-softmax, an exp and one
 subtraction per target: less memory traffic in what is, on a CPU, a large share of a small
 model's training step (benchmarks/README.md). `label_smoothed_loss` stays as the formula the
-fused one is tested against.
+fused one is tested against. `alignment_loss` is guided alignment's term (not in the paper:
+train/guided.py).
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, target: Tensor
         block_rows = max(1, budget // weight.shape[0])
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _ProjectedLoss.apply(hidden, weight, target, epsilon, block_rows, with_grad)
+
+
+def alignment_loss(log_attention: Tensor, positions: Tensor, weights: Tensor) -> Tensor:
+    """Guided alignment (Garg et al. 2019, §4.2; not in the paper): the cross-entropy
+    -Σ_t Σ_s G_{t,s} log A_{t,s} between one head's attention A and the reference alignment G,
+    summed over the target positions that have one. `log_attention` (B, T, S) is log A;
+    `positions` (M,) flat indices into it of the reference's non-zero entries, `weights` (M,)
+    the entries (a row aligned with k source pieces holds 1/k at each: uniform over them)."""
+    picked = log_attention.reshape(-1).index_select(0, positions)
+    return -(picked * weights.to(picked.dtype)).sum()
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:

@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .loss import autocast_dtype, label_smoothed_loss, projected_label_smoothed_loss
+from .loss import (
+    alignment_loss,
+    autocast_dtype,
+    label_smoothed_loss,
+    projected_label_smoothed_loss,
+)
 
 
 def sinusoidal_positions(length: int, d_model: int, start: int = 0) -> Tensor:
@@ -89,18 +94,25 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(v_width, config.d_model, bias=bias)
 
     def forward(self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None,
-                causal: bool = False, weights: list[Tensor] | None = None) -> Tensor:
+                causal: bool = False, weights: list[Tensor] | None = None,
+                head: HeadAttention | None = None) -> Tensor:
         """§3.2.3's three uses: queries from x (B, L, D); keys and values from the encoder
         output `memory` (B, S, D) in encoder-decoder attention, from x itself in self-attention.
         `mask` is added to Q K^T / sqrt(d_k): 0 where a key may be attended, -inf where not
         (padding; `Transformer.padding_mask`); `causal`: each position attends to itself and
         those before it (the decoder's self-attention). `weights`, if given, gets the
-        attention weights (B, H, Lq, Lk) appended (attention maps)."""
+        attention weights (B, H, Lq, Lk) appended (attention maps); `head`, if given, gets
+        the log attention weights of its one head (guided alignment), the layer's output
+        computed as without it."""
         if self.cross:
             queries = self._split_heads(self.q_proj(x), self.d_k)
             keys, values = self.project_memory(memory)
         else:
             queries, keys, values = self.project_self(x)
+        if head is not None:
+            head_mask = None if mask is None else mask[:, 0]  # (B, 1, Lk) or (1, Lk)
+            head.log_weights = log_attention_weights(
+                queries[:, head.head], keys[:, head.head].transpose(-1, -2), head_mask, causal)
         return self.attend(queries, keys, values, mask, causal, weights)
 
     # ------------------------------------------------------------ the parts, for decoding speed
@@ -183,6 +195,20 @@ def attention_weights(queries: Tensor, keys_t: Tensor, mask: Tensor | None = Non
     return scores.softmax(dim=-1)
 
 
+def log_attention_weights(queries: Tensor, keys_t: Tensor, mask: Tensor | None = None,
+                          causal: bool = False) -> Tensor:
+    """log softmax(Q K^T / sqrt(d_k)) in float32, (..., Lq, Lk), as `attention_weights` takes
+    its arguments: the log-probabilities a cross-entropy with them needs, without the log of a
+    softmax that underflowed."""
+    scores = torch.matmul(queries, keys_t).float() * queries.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores + mask
+    if causal:
+        above = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(above, -math.inf)
+    return scores.log_softmax(dim=-1)
+
+
 def attention_written_out(queries: Tensor, keys_t: Tensor, values: Tensor,
                           mask: Tensor | None = None) -> Tensor:
     """§3.2.1's softmax(Q K^T / sqrt(d_k)) V as two batched matmuls, the softmax in float32
@@ -241,6 +267,18 @@ class AttentionWeights:
     cross: list[Tensor] = field(default_factory=list)  # encoder-decoder attention
 
 
+@dataclass
+class HeadAttention:
+    """Guided alignment (Garg et al. 2019; not in the paper): the teacher-forced `decode` given
+    it sets `log_weights`, log softmax(Q K^T / sqrt(d_k)) (B, T, S) of encoder-decoder head
+    `head` of decoder layer `layer` (from 0), the one head whose attention is supervised. Only
+    that head's weights are written out: every attention keeps its fused kernel."""
+
+    layer: int
+    head: int
+    log_weights: Tensor | None = None
+
+
 class EncoderLayer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -264,13 +302,14 @@ class DecoderLayer(nn.Module):
         self.sub = Sublayers(config, 3)
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor,
-                weights: AttentionWeights | None = None) -> Tensor:
+                weights: AttentionWeights | None = None,
+                head: HeadAttention | None = None) -> Tensor:
         """Teacher forcing: x (B, T, D) attends causally to itself, then to the encoder output
-        `memory` (B, S, D)."""
+        `memory` (B, S, D); `head`, if given, gets one encoder-decoder head's log weights."""
         x = self.sub.after(0, x, self.self_attn(self.sub.before(0, x), causal=True,
                                                 weights=weights and weights.decoder))
         x = self.sub.after(1, x, self.cross_attn(self.sub.before(1, x), memory, mask=src_mask,
-                                                 weights=weights and weights.cross))
+                                                 weights=weights and weights.cross, head=head))
         return self.sub.after(2, x, self.ffn(self.sub.before(2, x)))
 
     def step(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor,
@@ -495,34 +534,53 @@ class Transformer(nn.Module):
             return F.linear(hidden.float(), self.tgt_embed.weight.float(), bias)
 
     def decode(self, tgt_input: Tensor, memory: Tensor, src_mask: Tensor,
-               weights: AttentionWeights | None = None) -> Tensor:
+               weights: AttentionWeights | None = None,
+               head: HeadAttention | None = None) -> Tensor:
         """Teacher-forced decoder: tgt_input (B, T) → hidden states (B, T, D); `weights`, if
-        given, gets each layer's attention weights."""
+        given, gets each layer's attention weights, `head` its head's log weights."""
         x = self.embed(self.tgt_embed, tgt_input)
-        for layer in self.decoder_layers:
-            x = layer(x, memory, src_mask, weights)
+        for index, layer in enumerate(self.decoder_layers):
+            x = layer(x, memory, src_mask, weights,
+                      head if head is not None and head.layer == index else None)
         return self.decoder_norm(x) if self.config.norm == "pre" else x
 
     def forward(self, src_tokens: Tensor, tgt_input: Tensor,
                 output_positions: Tensor | None = None, targets: Tensor | None = None,
-                label_smoothing: float = 0.0):
+                label_smoothing: float = 0.0,
+                alignment: tuple[Tensor, Tensor] | None = None):
         """src (B, S), tgt_input = BOS + y (B, T) → logits (B, T, V) for y + EOS; with
         `output_positions` (N,), flat indices into the B × T positions (batching.Batch's
         target_positions), only the logits there, (N, V): training skips the output projection
         of padding, the largest matmul of a small model, with no op whose size depends on the
         data (a GPU would wait to learn it). With `targets` (N,), the tokens at those
         positions, the §5.4 loss instead: (label-smoothed loss sum, NLL sum), computed with the
-        projection a block at a time (loss.py)."""
+        projection a block at a time (loss.py).
+
+        Guided alignment (not in the paper; with `targets`): `alignment` is (positions (M,),
+        weights (M,)), flat indices into the B × T × S attention of the config's supervised
+        head (`alignment_layer`, `alignment_head`) and the reference probability there
+        (train/guided.py); a third sum is returned, the cross-entropy of that head's attention
+        with the reference (loss.alignment_loss)."""
         memory, src_mask = self.encode(src_tokens)
-        hidden = self.decode(tgt_input, memory, src_mask)
+        head = None
+        if alignment is not None:
+            if targets is None or self.config.alignment_layer is None:
+                raise ValueError("guided alignment needs targets and a model config naming "
+                                 "the supervised head (alignment_layer, alignment_head)")
+            head = HeadAttention(self.config.alignment_layer, self.config.alignment_head)
+        hidden = self.decode(tgt_input, memory, src_mask, head=head)
         if output_positions is not None:
             hidden = hidden.flatten(0, 1).index_select(0, output_positions)
         if targets is not None:
             if self.output_bias is not None:  # the fused loss knows no bias: the formula
-                return label_smoothed_loss(self.output_logits(hidden), targets,
+                sums = label_smoothed_loss(self.output_logits(hidden), targets,
                                            label_smoothing, self.config.pad_id)
-            return projected_label_smoothed_loss(hidden, self.tgt_embed.weight, targets,
-                                                 label_smoothing)
+            else:
+                sums = projected_label_smoothed_loss(hidden, self.tgt_embed.weight, targets,
+                                                     label_smoothing)
+            if head is None:
+                return sums
+            return (*sums, alignment_loss(head.log_weights, *alignment))
         return self.output_logits(hidden)
 
     def start_decoding(self, memory: Tensor, src_mask: Tensor) -> DecoderCache:

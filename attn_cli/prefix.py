@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .errors import AttnError
+from .search import topk_over_beams
 
 
 class PrefixConstraint:
@@ -68,6 +69,10 @@ class PrefixConstraint:
 
     def advance(self, state: Tensor, origin: Tensor, tokens: Tensor) -> Tensor:
         return state.gather(1, origin) + 1
+
+    def rank(self, scores: Tensor, log_probs: Tensor, columns: None, state: Tensor,
+             beam: int) -> tuple[Tensor, Tensor, Tensor]:
+        return topk_over_beams(scores, log_probs, 2 * beam)
 
     def bound(self, state: Tensor, chosen: Tensor, active: Tensor, length: int,
               limit: Tensor) -> Tensor:

@@ -131,6 +131,13 @@ class Constraint(Protocol):
     def advance(self, state: Any, origin: Tensor, tokens: Tensor) -> Any:
         """The state of each candidate: beam `origin` (B', C) extended by `tokens` (B', C)."""
 
+    def rank(self, scores: Tensor, log_probs: Tensor, columns: Any, state: Any,
+             beam: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The 2K candidates of each sentence, in the order the search takes them (an EOS
+        among the first K finishes a hypothesis, the first K others live on): (their scores
+        (B', 2K), the beam each extends, its column). `topk_over_beams`, the best 2K, unless
+        the constraint keeps others (`lexical.LexicalConstraint`: dynamic beam allocation)."""
+
     def bound(self, state: Any, chosen: Tensor, active: Tensor, length: int,
               limit: Tensor) -> Tensor:
         """(B',) the longest output, EOS included, that the candidates `chosen` (B', K), each
@@ -163,6 +170,10 @@ class Unconstrained:
 
     def advance(self, state: None, origin: Tensor, tokens: Tensor) -> None:
         return None
+
+    def rank(self, scores: Tensor, log_probs: Tensor, columns: None, state: None,
+             beam: int) -> tuple[Tensor, Tensor, Tensor]:
+        return topk_over_beams(scores, log_probs, 2 * beam)
 
     def bound(self, state: None, chosen: Tensor, active: Tensor, length: int,
               limit: Tensor) -> Tensor:
@@ -220,7 +231,7 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
                                                    limit - step - 1, at_limit)
         if step + 1 in limit_lengths:
             only_eos_at_limit(log_probs, at_limit, constraint.eos_column)
-        best, origin, picked = topk_over_beams(live.scores, log_probs, 2 * beam)
+        best, origin, picked = constraint.rank(live.scores, log_probs, columns, state, beam)
         tokens = constraint.token_ids(columns, origin, picked)
         state = constraint.advance(state, origin, tokens)
         ends = tokens == config.eos_id  # (B', 2K)

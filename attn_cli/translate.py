@@ -26,13 +26,23 @@ import torch
 
 from .batching import pad_sequences, source_budget, token_budget_batches
 from .config import ALPHA_HIGHEST, MAX_LEN_A_HIGHEST, TEMPERATURE_RANGE, parse_langs
+from .controls import (
+    NONE,
+    Controls,
+    GlossaryPhrases,
+    encode_checked,
+    free_controls,
+    holds_phrases,
+    search_constraint,
+    split_fields,
+)
 from .devices import inference_dtype, inference_model, pick_device, search_batch_tokens
 from .ensemble import Ensemble, load_models
 from .errors import AttnError, batch_must_fit
 from .files import STRICT, Utf8Policy
 from .formats import BUFFER_SIZE, MAX_SOURCE_TOKENS, TRANSLATION, Stop
+from .lexical import UNMET_PENALTY, WordPieces
 from .modelfile import LoadedModel
-from .prefix import PrefixConstraint, split_prefix, unknown_pieces
 from .search import (
     Hypothesis,
     beam_search,
@@ -78,6 +88,9 @@ def check_range(name: str, value) -> None:
         raise OutOfRange(name, f"must be at most {highest}")
 
 
+CONSTRAINT_SEARCHES = ("misses", "all")
+
+
 @dataclass(frozen=True)
 class DecodeOptions:
     """How `attn decode` and `attn parse` search (or sample), checked as they are made: each
@@ -99,6 +112,9 @@ class DecodeOptions:
     batch_tokens: int | None = None
     buffer_size: int = BUFFER_SIZE
     raw: bool = False
+    # Which sentences with phrases to hold are searched with them (`Translator.search_controlled`):
+    # "misses", those whose free output misses one; "all".
+    constraint_search: str = "misses"
     workers: int = 1  # batches searched at once, each by its own thread
     worker_threads: int = 1  # torch threads of each of those
 
@@ -110,6 +126,9 @@ class DecodeOptions:
                             "another --seed for more outputs)")
         if (self.topk or self.topp < 1.0 or self.temperature != 1.0) and not self.sample:
             raise AttnError("--topk, --topp and --temperature apply to --sample only")
+        if self.constraint_search not in CONSTRAINT_SEARCHES:
+            raise AttnError(f"--constraint-search is one of {', '.join(CONSTRAINT_SEARCHES)}, "
+                            f"not {self.constraint_search!r}")
 
     @property
     def source_budget(self) -> int:
@@ -254,6 +273,11 @@ class Translator:
         self.stats = DecodeStats()
         # constraint_for(lines of a batch) → a search constraint for them (parsing), or None
         self.constraint_for = constraint_for
+        # Decode's and a server's controls of every line: a glossary's terms to force
+        # (`controls.GlossaryPhrases`) and phrases banned (target ids); None: none.
+        self.glossary: GlossaryPhrases | None = None
+        self.bans: list[list[int]] | None = None
+        self._word_pieces: WordPieces | None = None
         self._pool: ThreadPoolExecutor | None = None
 
     def _workers(self) -> ThreadPoolExecutor:
@@ -332,10 +356,16 @@ class Translator:
                                constraint=constraint, stop=options.stop, cancelled=cancelled)
 
     def translate_window(self, lines: list[str], first_line: int, unit: str = "line",
-                         prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
+                         prefixes: list[list[int]] | None = None,
+                         controls: list[Controls] | None = None) -> list[list[Hypothesis]]:
         """Hypotheses for every line, in input order; an empty line gets [EMPTY_LINE]. Line i
         is number first_line + i (warnings name it, sampling draws from it) of its `unit`.
-        `prefixes[i]`: the target ids line i's outputs start with (`prefix.py`; [] none)."""
+        `controls[i]`: what line i's outputs start with and hold (`controls.Controls`; None:
+        nothing), to which the translator's glossary adds its terms found in the line and its
+        bans apply to every line; `prefixes[i]`, the target ids line i's outputs start with,
+        is `controls` with prefixes only."""
+        if prefixes is not None:
+            controls = [Controls(prefix=tuple(prefix)) for prefix in prefixes]
         results: list[list[Hypothesis] | None] = [None] * len(lines)
         todo = [i for i, line in enumerate(lines) if line.strip()]
         for i in set(range(len(lines))) - set(todo):
@@ -344,22 +374,77 @@ class Translator:
             ids = self.encode([lines[i] for i in todo], first_line, unit=unit)
             lengths = [len(sequence) for sequence in ids]
             batches = token_budget_batches(lengths, self.options.source_budget)
+            line_controls = [self.controls_of(lines[i], controls[i] if controls else NONE)
+                             for i in todo]
 
             def search_batch(batch: list[int]) -> list[list[Hypothesis]]:
-                constraint = self.constraint_for([lines[todo[i]] for i in batch]) \
-                    if self.constraint_for else None
-                if prefixes is not None:
-                    constraint = prefix_constraint([prefixes[todo[i]] for i in batch],
-                                                   self.config.eos_id)
-                return self.search([ids[i] for i in batch], constraint,
-                                   [first_line + todo[i] for i in batch])
+                numbers = [first_line + todo[i] for i in batch]
+                if self.constraint_for:
+                    return self.search([ids[i] for i in batch],
+                                       self.constraint_for([lines[todo[i]] for i in batch]),
+                                       numbers)
+                return self.search_controlled([ids[i] for i in batch],
+                                              [line_controls[i] for i in batch], numbers)
 
             parallel = self.options.workers > 1 and len(batches) > 1
             found = (self._workers().map if parallel else map)(search_batch, batches)
             for batch, hypotheses_of_batch in zip(batches, found):
                 for index, hypotheses in zip(batch, hypotheses_of_batch):
                     results[todo[index]] = hypotheses
+                    if line_controls[index].phrases and \
+                            hypotheses[0].log_prob < -UNMET_PENALTY / 2:
+                        self.warn(f"decode: {unit} {first_line + todo[index]}: its output "
+                                  f"could not hold every constraint within its length limit")
         return results
+
+    def search_controlled(self, ids: list[list[int]], controls: list[Controls],
+                          line_numbers: list[int] | None = None,
+                          cancelled=None) -> list[list[Hypothesis]]:
+        """`search` of sentences each with its controls (`controls.Controls`; the translator's
+        bans on all). With `constraint_search` "misses" (the default), the sentences with
+        phrases to hold are first searched without them (their prefixes and the bans kept), and
+        only those whose best output misses a phrase are searched again with them: a phrase
+        the model writes anyway changes nothing, and dynamic beam allocation, which deals a
+        beam's slots over hypotheses by the phrases they have met, spends them where needed.
+        "all": every one searched with its phrases."""
+        eos = self.config.eos_id
+        words = self.word_pieces() if any(line.phrases for line in controls) else None
+        if words is None or self.options.constraint_search == "all":
+            return self.search(ids, search_constraint(controls, self.bans, eos, words),
+                               line_numbers, cancelled)
+        found = self.search(ids, search_constraint(free_controls(controls), self.bans, eos),
+                            line_numbers, cancelled)
+        misses = [place for place, (line, hypotheses) in enumerate(zip(controls, found))
+                  if line.phrases and not holds_phrases(hypotheses[0].tokens, line, words)]
+        if misses:
+            numbers = line_numbers or list(range(len(ids)))
+
+            def cancelled_misses():
+                named = set(cancelled())
+                return [place for place, miss in enumerate(misses) if miss in named]
+            again = self.search([ids[place] for place in misses],
+                                search_constraint([controls[place] for place in misses],
+                                                  self.bans, eos, words),
+                                [numbers[place] for place in misses],
+                                cancelled_misses if cancelled else None)
+            for place, hypotheses in zip(misses, again):
+                found[place] = hypotheses
+        return found
+
+    def word_pieces(self) -> WordPieces:
+        """The target vocabulary's `lexical.WordPieces`, made once."""
+        if self._word_pieces is None:
+            vocab, config = self.tgt_vocab, self.config
+            specials = {config.pad_id, config.unk_id, config.bos_id, config.eos_id}
+            self._word_pieces = WordPieces.of([vocab.piece(i) for i in range(len(vocab))],
+                                              specials)
+        return self._word_pieces
+
+    def controls_of(self, line: str, controls: Controls) -> Controls:
+        """A line's controls and the glossary's terms found in it."""
+        if self.glossary is None:
+            return controls
+        return controls.with_phrases(self.glossary.phrases(line))
 
     def translate(self, lines: list[str]) -> list[str]:
         """The best translation of each line, in order (an empty line for an empty line); with
@@ -403,14 +488,14 @@ class Translator:
               heads: list[int] | None = None) -> list[list[tuple[int, int]]]:
         """Word alignments of each line with its output `outputs[i]` (a hypothesis's tokens):
         (source word, output word) pairs over whitespace words, read off the cross-attention
-        of one teacher-forced pass (`alignment.py`; `layer` default the penultimate decoder
-        layer, `heads` default all). An ensemble's first model aligns."""
-        from .alignment import DEFAULT_LAYER, align_lines
+        of one teacher-forced pass (`alignment.py`; `layer` and `heads` by default the model's
+        own, `alignment.chosen_heads`). An ensemble's first model aligns."""
+        from .alignment import align_lines
         from .ensemble import Ensemble
 
         model = self.model.models[0] if isinstance(self.model, Ensemble) else self.model
         return align_lines(model, self.src_vocab, self.tgt_vocab, lines, outputs,
-                           self.max_source, DEFAULT_LAYER if layer is None else layer, heads)
+                           self.max_source, layer, heads)
 
     def translate_aligned(self, lines: list[str]) -> tuple[list[str], list[list[tuple[int, int]]]]:
         """The best translation of each line (detokenized: `--raw` does not apply) and its
@@ -466,19 +551,16 @@ def check_split_sentences(split_sentences: bool, source_lang: str | None, nbest:
     sentence_language(source_lang, None)  # what is not a language code: refused now
 
 
-def check_alignment(alignment: bool, layer: int | None, raw: bool) -> int | None:
-    """The decoder layer `attn decode --alignment` reads alignments off (None: no alignments),
-    refused before a model loads where the options do not go together."""
-    from .alignment import DEFAULT_LAYER
-
+def check_alignment(alignment: bool, layer: int | None, raw: bool) -> None:
+    """`attn decode --alignment` and `--alignment-layer`, refused before a model loads where
+    they do not go together."""
     if not alignment:
         if layer is not None:
             raise AttnError("--alignment-layer is the layer --alignment reads: add --alignment")
-        return None
+        return
     if raw:
         # the alignment numbers the words of the detokenized output, which --raw does not print
         raise AttnError("--alignment numbers the words of the detokenized output: drop --raw")
-    return DEFAULT_LAYER if layer is None else layer
 
 
 def sentence_language(source_lang: str | None, langs: tuple[str, str] | None
@@ -500,50 +582,67 @@ def sentence_language(source_lang: str | None, langs: tuple[str, str] | None
     return "en", "no source language known from the model"
 
 
-def check_prefix(prefix: bool, split_sentences: bool, attention: bool) -> None:
-    """`attn decode --prefix` with the options it goes with, refused before a model loads."""
-    if not prefix:
+def check_controls(prefix: bool, constraints: bool, split_sentences: bool, attention: bool,
+                   sample: bool, glossary: bool = False) -> None:
+    """`attn decode --prefix`, `--constraints` and `--glossary` with the options they go with,
+    refused before a model loads."""
+    given = [name for name, on in (("--prefix", prefix), ("--constraints", constraints),
+                                   ("--glossary", glossary)) if on]
+    if not given:
         return
-    for given, option, why in ((split_sentences, "--split-sentences",
-                                "a line is several searches, and a prefix starts one output"),
-                               (attention, "--attention", "its maps are of unforced outputs")):
-        if given:
-            raise AttnError(f"--prefix does not go with {option} ({why}): decode without one "
-                            f"of them")
+    refused = [(split_sentences and (prefix or constraints), "--split-sentences",
+                "a line is several searches, and its prefix or phrases are the line's"),
+               (attention, "--attention", "its maps are of unforced outputs"),
+               (sample and (constraints or glossary), "--sample",
+                "phrases to hold need beam search: --beam 1 for greedy")]
+    for refuse, option, why in refused:
+        if refuse:
+            raise AttnError(f"{' and '.join(given)} does not go with {option} ({why}): decode "
+                            f"without one of them")
 
 
-def prefix_constraint(prefixes: list[list[int]], eos_id: int) -> PrefixConstraint | None:
-    """The search constraint of a batch's prefixes; None where no sentence has one, so that a
-    batch without prefixes is searched as without --prefix, at no extra cost."""
-    if not any(prefixes):
-        return None
-    return PrefixConstraint.for_batch(prefixes, eos_id)
+def use_controls(translator: Translator, glossary_path=None, ban_path=None) -> None:
+    """`attn decode --glossary FILE --ban FILE`: the translator forces the glossary's terms
+    found in each line and bans the file's phrases, both checked against its vocabulary now.
+    `glossary_path` may be a `glossary.Glossary` already read."""
+    from .controls import read_bans
+    from .glossary import Glossary
+
+    unk = translator.config.unk_id
+    if glossary_path is not None:
+        terms = glossary_path if isinstance(glossary_path, Glossary) else \
+            Glossary.read(glossary_path)
+        translator.glossary = GlossaryPhrases(terms, translator.tgt_vocab, unk)
+    if ban_path is not None:
+        translator.bans = read_bans(ban_path, translator.tgt_vocab, unk)
 
 
-def split_prefixes(translator: Translator, window: list[str], name: str, first_line: int
-                   ) -> tuple[list[str], list[list[int]], AttnError | None]:
-    """A window of `source<TAB>prefix` lines (`run(prefix=True)`) → (the sources, each
-    prefix's target ids as SentencePiece cuts its text, the error of the first bad line or
-    None): the lines before a bad one come back to be translated and written before the error
-    is raised, as bad UTF-8's do. A prefix ending mid-word is forced as those pieces exactly:
-    the output may go on with the word or start another."""
-    sources, texts, error = [], [], None
+def split_controls(translator: Translator, window: list[str], name: str, first_line: int,
+                   prefix: bool, constraints: bool
+                   ) -> tuple[list[str], list[Controls], AttnError | None]:
+    """A window of lines laid out as `--prefix` and `--constraints` say (`controls.split_fields`)
+    → (the sources, each line's controls as SentencePiece cuts their texts, the error of the
+    first bad line or None): the lines before a bad one come back to be translated and written
+    before the error is raised, as bad UTF-8's do. A prefix ending mid-word is forced as those
+    pieces exactly: the output may go on with the word or start another."""
+    sources, controls, error = [], [], None
+    vocab, unk = translator.tgt_vocab, translator.config.unk_id
     for offset, line in enumerate(window):
+        where = f"{name}:{first_line + offset}"
         try:
-            source, text = split_prefix(line, name, first_line + offset)
+            source, prefix_text, phrases = split_fields(line, prefix, constraints, name,
+                                                        first_line + offset)
+            ids = encode_checked(vocab, unk, [prefix_text] if prefix_text else [], "prefix",
+                                 [where])
+            phrase_ids = encode_checked(vocab, unk, phrases, "constraint",
+                                        [where] * len(phrases))
         except AttnError as bad:
             error = bad
             break
         sources.append(source)
-        texts.append(text)
-    ids = translator.tgt_vocab.encode(texts) if texts else []
-    unk = translator.config.unk_id
-    for offset, pieces in enumerate(ids):
-        if unk in pieces:
-            error = unknown_pieces(texts[offset], name, first_line + offset)
-            del sources[offset:], ids[offset:]
-            break
-    return sources, ids, error
+        controls.append(Controls(tuple(ids[0]) if ids else (),
+                                 tuple(dict.fromkeys(map(tuple, phrase_ids)))))
+    return sources, controls, error
 
 
 def search_workers(threads: int, workers: int, device: torch.device) -> tuple[int, int]:
@@ -591,16 +690,18 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
 
 def run(translator: Translator, stream, out, name: str = "<stdin>", render=None,
         policy: Utf8Policy = STRICT, split_sentences: bool = False,
-        lang: str | None = None, alignment_layer: int | None = None,
-        prefix: bool = False) -> DecodeStats:
+        lang: str | None = None, alignment: bool = False, alignment_layer: int | None = None,
+        prefix: bool = False, constraints: bool = False) -> DecodeStats:
     """The pipe: windows of lines in, one line (or nbest lines) out per line in, in order.
     `render(index, line, hypotheses)` makes the output lines (default: translations); `policy`
     says what invalid UTF-8 does. `split_sentences`: each line cut into sentences by the rules
     of `lang` and translated as `Translator.translate_paragraphs` does (the best translation
-    only: no render, nbest 1). `alignment_layer`: each output line followed by a TAB and its
-    word alignment read off that decoder layer (`Translator.alignment_columns`); None: none,
-    and no work spent on them. `prefix`: each line is `source<TAB>prefix` (`split_prefixes`),
-    and its outputs start with the prefix."""
+    only: no render, nbest 1). `alignment`: each output line followed by a TAB and its word
+    alignment read off decoder layer `alignment_layer` (None: the model's default,
+    `alignment.chosen_heads`; `Translator.alignment_columns`); without it no work is spent
+    on them. `prefix`, `constraints`: each line is `source<TAB>prefix`,
+    `source<TAB>c1<TAB>c2…` or both (`split_controls`), and its outputs start with the prefix
+    and hold each phrase."""
     if split_sentences and (render is not None or translator.options.nbest > 1):
         raise ValueError("split sentences are written as one line per line: no render, no nbest")
     render = render or (lambda index, line, hypotheses: translator.format(index, hypotheses))
@@ -612,15 +713,16 @@ def run(translator: Translator, stream, out, name: str = "<stdin>", render=None,
     try:
         for window in read_windows(stream, translator.options.buffer_size, name, policy):
             if split_sentences:
-                _write_split(translator, window, lang, out, alignment_layer)
+                _write_split(translator, window, lang, out, alignment, alignment_layer)
             else:
-                prefixes = bad_line = None
-                if prefix:
-                    window, prefixes, bad_line = split_prefixes(translator, window, name,
-                                                                line_number + 1)
+                controls = bad_line = None
+                if prefix or constraints:
+                    window, controls, bad_line = split_controls(translator, window, name,
+                                                                line_number + 1, prefix,
+                                                                constraints)
                 results = translator.translate_window(window, line_number + 1, "line",
-                                                      prefixes)
-                columns = None if alignment_layer is None else \
+                                                      controls=controls)
+                columns = None if not alignment else \
                     translator.alignment_columns(window, results, alignment_layer)
                 for offset, hypotheses in enumerate(results):
                     texts = render(line_number + offset, window[offset], hypotheses)
@@ -645,10 +747,10 @@ def run(translator: Translator, stream, out, name: str = "<stdin>", render=None,
 
 
 def _write_split(translator: Translator, lines: list[str], lang: str | None, out,
-                 alignment_layer: int | None = None) -> None:
+                 alignment: bool = False, alignment_layer: int | None = None) -> None:
     """One window of `run(split_sentences=True)`: the lines' sentences searched together, each
-    line's translations joined with its spacing, one line out per line in (with
-    `alignment_layer`, a TAB and the line's alignment after it: `split_alignments`)."""
+    line's translations joined with its spacing, one line out per line in (with `alignment`, a
+    TAB and the line's alignment after it, of `alignment_layer`: `split_alignments`)."""
     stats = translator.stats
     split = split_texts(lines, lang)
     # Sentences are numbered on from those of the windows before: sampling then draws for a
@@ -658,7 +760,7 @@ def _write_split(translator: Translator, lines: list[str], lang: str | None, out
     best = [hypotheses[0] for hypotheses in results]
     outputs = translator.detokenize(best)
     texts = split.join(outputs)
-    if alignment_layer is not None:
+    if alignment:
         aligned = translator.align(split.sentences, [hypothesis.tokens for hypothesis in best],
                                    alignment_layer)
         texts = [f"{text}\t{column}"

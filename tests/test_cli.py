@@ -170,9 +170,9 @@ load, window, scores = (translate.load_translator, translate.Translator.translat
 def loading(*args, **kwargs):
     seen["loading"] = gc.isenabled()
     return load(*args, **kwargs)
-def searching(self, *args):
+def searching(self, *args, **kwargs):
     seen["searching"] = (gc.isenabled(), gc.get_freeze_count() > 0)
-    return window(self, *args)
+    return window(self, *args, **kwargs)
 def scoring_text(*args):
     seen["scoring"] = gc.isenabled()
     return scores(*args)

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..formats import WORD_SCORES
+from ..search import topk_over_beams
 from .trees import PLACEHOLDER, terminal_word
 
 
@@ -237,6 +238,10 @@ class TreeConstraint:
         placed, depth, _ = (part.gather(1, chosen) for part in state)
         missing = (self.word_count_of[active].unsqueeze(-1) - placed).clamp(min=0)
         return (length + missing * (1 + 2 * self.MAX_OPEN_RUN) + depth + 1).amax(dim=1)
+
+    def rank(self, scores: Tensor, log_probs: Tensor, columns: Tensor,
+             state: tuple[Tensor, Tensor, Tensor], beam: int) -> tuple[Tensor, Tensor, Tensor]:
+        return topk_over_beams(scores, log_probs, 2 * beam)  # over the candidates' columns
 
     def bound(self, state: tuple[Tensor, Tensor, Tensor], chosen: Tensor, active: Tensor,
               length: int, limit: Tensor) -> Tensor:

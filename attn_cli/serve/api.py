@@ -51,8 +51,11 @@ SEARCH_FIELDS = {"beam": int, "nbest": int, "alpha": float, "max_len_a": float,
                  "max_len_b": int, "stop": str, "sample": bool, "topk": int, "topp": float,
                  "temperature": float, "seed": int, "raw": bool}
 V1_FIELDS = {"text", "model", "source", "target", "split", "scores", "alignment", "prefix",
-             "api_key",
+             "constraints", "glossary", "api_key",
              *SEARCH_FIELDS}
+# The most terms a request's own glossary may hold (a server's --glossary has no limit): each is
+# cut into pieces and indexed per request.
+MAX_REQUEST_GLOSSARY = 1000
 # Integers in a body longer than this are refused: every integer a request may send (a beam, a
 # seed) fits in 64 bits, and Python refuses to read more than 4,300 digits anyway (an error
 # that was a 500).
@@ -490,17 +493,94 @@ def v1_prefixes(fields: dict, asked: V1Request) -> list[str] | None:
     return [prefix or "" for prefix in prefixes]
 
 
-def prefix_ids(prefixes: Sequence[str], encode: Callable[[list[str]], list[list[int]]],
-               unk_id: int) -> list[list[int]]:
-    """Each prefix's target ids (`encode`: the model's target vocabulary's), or the Problem of
-    the first with a piece outside the vocabulary: forced, `<unk>` would mean nothing."""
-    ids = encode(list(prefixes))
-    for place, (prefix, pieces) in enumerate(zip(prefixes, ids)):
-        if unk_id in pieces:
-            where = "prefix" if len(prefixes) == 1 else f"prefix[{place}]"
-            raise Problem(422, f"{where} {prefix!r} has characters outside the model's target "
-                          "vocabulary: remove them")
-    return ids
+@dataclass
+class RequestControls:
+    """What a /v1/translate body controls besides its text (`attn decode --prefix`,
+    `--constraints`, `--glossary`): each line's prefix and phrases, as texts; its own glossary."""
+
+    prefixes: list[str] | None = None
+    constraints: list[list[str]] | None = None
+    glossary: object = None  # glossary.Glossary
+
+    def line_controls(self, translator, lines: list[str]) -> list | None:
+        """Each line's `controls.Controls` for `translator` (its vocabulary; its own glossary,
+        from --glossary, added), or None where no line has any; the Problem of the first text
+        with a piece outside the vocabulary."""
+        from ..controls import NONE, Controls, GlossaryPhrases
+
+        vocab, unk = translator.tgt_vocab, translator.config.unk_id
+
+        def encoded(texts: list[str], field: str, place: int) -> list[tuple[int, ...]]:
+            ids = vocab.encode(texts) if texts else []
+            for text, pieces in zip(texts, ids):
+                if unk in pieces:
+                    where = field if len(lines) == 1 else f"{field}[{place}]"
+                    raise Problem(422, f"{where} {text!r} has characters outside the model's "
+                                  "target vocabulary: remove them")
+            return [tuple(pieces) for pieces in ids]
+
+        prefixes = [encoded([text], "prefix", place)[0] if text else ()
+                    for place, text in enumerate(self.prefixes or [""] * len(lines))]
+        phrases = [encoded(texts, "constraints", place)
+                   for place, texts in enumerate(self.constraints or [[]] * len(lines))]
+        glossary = None
+        if self.glossary is not None:
+            from ..errors import AttnError
+
+            try:
+                glossary = GlossaryPhrases(self.glossary, vocab, unk)
+            except AttnError as error:
+                raise Problem(422, str(error)) from None
+        controls = []
+        for line, prefix, line_phrases in zip(lines, prefixes, phrases):
+            control = translator.controls_of(line, Controls(prefix, tuple(
+                dict.fromkeys(line_phrases))))
+            if glossary is not None:
+                control = control.with_phrases(glossary.phrases(line))
+            controls.append(control)
+        if translator.options.sample and any(control.phrases for control in controls):
+            raise Problem(422, "constraints and glossary terms need beam search, not sample "
+                          "(this server's --glossary too, where a line holds its terms)")
+        return None if all(control == NONE for control in controls) else controls
+
+
+def v1_controls(fields: dict, asked: V1Request) -> RequestControls:
+    """The `prefix`, `constraints` and `glossary` fields of a /v1/translate body: `prefix` one
+    string per line (or null); `constraints` a list of phrases per line (or null), for one
+    `text` a list of strings; `glossary` an object of source: target terms or a list of
+    [source, target] pairs, at most MAX_REQUEST_GLOSSARY. Or the Problem with them."""
+    asked_for = RequestControls(v1_prefixes(fields, asked))
+    value = fields.get("constraints")
+    if value is not None:
+        if asked.split:
+            raise Problem(422, "constraints are a line's, and split searches a text as several "
+                          "sentences: send one sentence per line without split (a glossary "
+                          "goes with split)")
+        per_line = [value] if asked.single else value
+        shape = "a list of strings" if asked.single else \
+            "a list with a list of strings (or null) per line"
+
+        def phrases_of(item) -> bool:
+            return item is None or (isinstance(item, list) and all(
+                isinstance(phrase, str) and phrase.strip() for phrase in item))
+        if not isinstance(per_line, list) or len(per_line) != len(asked.lines) or not all(
+                map(phrases_of, per_line)):
+            raise Problem(422, f"constraints must be {shape}, each phrase a non-empty string")
+        asked_for.constraints = [item or [] for item in per_line]
+    value = fields.get("glossary")
+    if value is not None and value != {} and value != []:  # an app's empty glossary: none
+        from ..errors import AttnError
+        from ..glossary import Glossary
+
+        if isinstance(value, (list, dict)) and len(value) > MAX_REQUEST_GLOSSARY:
+            raise Problem(422, f"glossary holds {len(value)} terms, over this server's "
+                          f"{MAX_REQUEST_GLOSSARY} per request: start the server with "
+                          "--glossary for a large one")
+        try:
+            asked_for.glossary = Glossary.from_pairs(value, "glossary")
+        except AttnError as error:
+            raise Problem(422, str(error)) from None
+    return asked_for
 
 
 def pick_model(fields: dict, served: Sequence[Served]) -> Served:

@@ -252,10 +252,11 @@ class Operations:
         self.metrics = Metrics(queue, self.cache)
         self.api_key, self.metrics_token = options.api_key, options.metrics_auth_token
 
-    def look_up(self, translator, lines: list[str], prefixes: list | None = None) -> Lookup:
-        """The lines of a request to be searched with `translator`, against the cache. A line
-        with a target prefix (`prefixes[i]` ids, non-empty) is neither looked up nor kept:
-        autocompletion's prefixes change at every keystroke."""
+    def look_up(self, translator, lines: list[str], controls: list | None = None) -> Lookup:
+        """The lines of a request to be searched with `translator`, against the cache, each
+        with its controls (`controls[i]`: `controls.Controls`, in the key). A line with a
+        target prefix is neither looked up nor kept: autocompletion's prefixes change at every
+        keystroke."""
         count = len(lines)
         if self.cache is None:
             return Lookup(lines, [None] * count, [None] * count)
@@ -263,8 +264,9 @@ class Operations:
         # A sampled line's outputs depend on its place in the request too (search.py's
         # sentence_uniforms): in its key. A beam search's do not (batch independence).
         sampled = translator.options.sample
-        keys = [(searched_as, line, place if sampled else None)
-                if line.strip() and not (prefixes and prefixes[place]) else None
+        keys = [(searched_as, line, place if sampled else None,
+                 controls[place] if controls else None)
+                if line.strip() and not (controls and controls[place].prefix) else None
                 for place, line in enumerate(lines)]
         found = [None if key is None else self.cache.get(key) for key in keys]
         hits = sum(1 for outputs in found if outputs is not None)

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..batching import fits
-from ..translate import EMPTY_LINE, Translator, prefix_constraint
+from ..controls import NONE
+from ..translate import EMPTY_LINE, Translator
 
 
 class QueueFull(Exception):
@@ -53,8 +54,8 @@ class Job:
     remaining: int = 0
     arrived: float = 0.0
     cancelled: bool = False  # set once, under the queue's lock; read by the search unlocked
-    # Each line's target prefix ids (`prefix.py`: its outputs start with them); None: none.
-    prefixes: list | None = None
+    # Each line's controls (`controls.Controls`: a target prefix, phrases to hold); None: none.
+    controls: list | None = None
     # Each line's source ids, EOS included; None for an empty line (its output needs no search).
     sources: list = field(init=False)
 
@@ -240,13 +241,13 @@ class RequestQueue:
         translator = batch[0].job.translator
         finished, failure = [], None
         try:
-            # Lines with and without prefixes share a batch: an empty prefix forces nothing,
-            # and a batch with none is searched without a constraint.
-            constraint = prefix_constraint([[] if line.job.prefixes is None
-                                            else line.job.prefixes[line.index]
-                                            for line in batch], translator.config.eos_id)
-            found = translator.search([line.ids for line in batch], constraint,
-                                      [line.index + 1 for line in batch], called_off(batch))
+            # Lines with and without controls share a batch: no prefix forces nothing, no
+            # phrase holds nothing, and a batch with neither is searched without a constraint.
+            controls = [NONE if line.job.controls is None else line.job.controls[line.index]
+                        for line in batch]
+            found = translator.search_controlled([line.ids for line in batch], controls,
+                                                 [line.index + 1 for line in batch],
+                                                 called_off(batch))
             outputs = [None if line.job.cancelled else translator.outputs(hypotheses)
                        for line, hypotheses in zip(batch, found)]
         except Exception as error:  # the jobs answer it; the server goes on

@@ -186,13 +186,14 @@ class Service:
 
     async def translate(self, parts: list[tuple[api.Served, list[str]]], settings: dict,
                         client_gone, name: str = "request",
-                        prefixes: list[str] | None = None) -> list:
+                        controls: api.RequestControls | None = None) -> list:
         """The jobs of a request, one per model it needs (`parts`: each model with its lines),
         searched with `settings` (DecodeOptions fields), once every line has its output:
         refused (422) before any search if their work together is over --max-request-tokens,
         cancelled if the client goes away first (`client_gone()` returns: 499) or
-        --request-timeout passes (504). `name` names the request in warnings. `prefixes`: each
-        line's target prefix (`api.v1_prefixes`), for a request of one part only."""
+        --request-timeout passes (504). `name` names the request in warnings. `controls`: the
+        request's prefixes, phrases and glossary (`api.v1_controls`; prefixes and phrases for
+        a request of one part only); a model's --glossary applies to every request."""
         if not self.ready:
             raise Problem(503, "the models are still loading (GET /health says when they are "
                           "ready)", {"Retry-After": "1"})
@@ -213,11 +214,11 @@ class Service:
             def done(job, answered=answered) -> None:  # from a search worker
                 loop.call_soon_threadsafe(_resolve, answered, job)
 
-            ids = None if prefixes is None else api.prefix_ids(
-                prefixes, translator.tgt_vocab.encode, translator.config.unk_id)
+            line_controls = (controls or api.RequestControls()).line_controls(translator, lines)
             # those found are not searched
-            cached = self.operations.look_up(translator, lines, ids)
-            jobs.append(Job(cached.to_search, translator, done, name=name, prefixes=ids))
+            cached = self.operations.look_up(translator, lines, line_controls)
+            jobs.append(Job(cached.to_search, translator, done, name=name,
+                            controls=line_controls))
             answers.append(answered)
             lookups.append(cached)
         api.check_work(sum(job.work for job in jobs), self.options.max_request_tokens)
@@ -323,16 +324,17 @@ async def translate_v1(request):
     fields = api.json_fields(await read_body(request, service.options.max_body))
     api.check_key(service.options.api_key, request.headers, fields)
     asked = api.v1_request(fields, service.options, service.served)
-    prefixes = api.v1_prefixes(fields, asked)
+    controls = api.v1_controls(fields, asked)
     if asked.split:
         source = asked.model.langs[0] if asked.model.langs else None
         routes = [api.Route(asked.model, source)] * len(asked.lines)
         split = api.split_sentences(asked.lines, [source] * len(asked.lines), service.options,
                                     "text", asked.single)
-        outputs, nbest = await _translate_split(request, split, routes, asked.settings)
+        outputs, nbest = await _translate_split(request, split, routes, asked.settings,
+                                                controls)
     else:
         (job,) = await _search(request, [(asked.model, asked.lines)], asked.settings,
-                               prefixes)
+                               controls)
         outputs, nbest = job.outputs, job.translator.options.nbest
         if asked.alignment:
             # a teacher-forced pass of the model over the request's lines (`Translator.align`),
@@ -535,22 +537,23 @@ async def read_body(request, limit: int) -> bytes:
 
 
 async def _search(request, parts: list[tuple[api.Served, list[str]]], settings: dict,
-                  prefixes: list[str] | None = None) -> list:
+                  controls: api.RequestControls | None = None) -> list:
     """The service's jobs for a request's lines (`parts`: each model's; counted in its log
     line), cancelled if its client goes away."""
     request.state.lines = sum(len(lines) for _, lines in parts)
     return await request.app.state.service.translate(
         parts, settings, lambda: _client_gone(request), name=f"serve: request #{request.state.id}",
-        prefixes=prefixes)
+        controls=controls)
 
 
-async def _translate_split(request, split, routes: list[api.Route], settings: dict
-                           ) -> tuple[list, int]:
+async def _translate_split(request, split, routes: list[api.Route], settings: dict,
+                           controls: api.RequestControls | None = None) -> tuple[list, int]:
     """Texts cut into sentences (`split`), each text's sentences searched by its route's
-    model, all in one request's jobs: each text's outputs (`api.joined_outputs`) and nbest."""
+    model, all in one request's jobs: each text's outputs (`api.joined_outputs`) and nbest.
+    `controls`: a request's glossary (its terms found in each sentence)."""
     groups = api.grouped(routes)
     jobs = await _search(request, [(model, api.group_sentences(split, texts))
-                                   for model, texts in groups], settings)
+                                   for model, texts in groups], settings, controls)
     nbest = jobs[0].translator.options.nbest if jobs else settings.get("nbest", 1)
     outputs = api.regrouped(split, groups, [job.outputs for job in jobs])
     return api.joined_outputs(split, outputs, nbest), nbest

@@ -18,7 +18,8 @@ an uninterrupted one:
   draws it, so no RNG state has to travel.
 Where each of those lives: batching.py (the micro-batches), distributed.py (the processes and
 what they agree on), start.py (where a run starts, and what a resumed run restores and may
-change).
+change); guided.py holds --guided-alignment's reference alignments (not in the paper), built
+from each micro-batch's pair indices, so that they follow the same rules.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from .. import checkpoints
@@ -49,6 +51,8 @@ from .distributed import (
     stop_processes,
     wrap_for_ddp,
 )
+from .guided import alignment_targets
+from .guided import check_options as check_guidance_options
 from .start import Start, announce, lock_run_directory, resumed_stream, start
 from .validation import Validation
 
@@ -56,6 +60,7 @@ from .validation import Validation
 def train(options: TrainOptions, display: Display | None = None) -> Path | None:
     """Run (or resume) training; returns the last checkpoint written (None on other ranks).
     `display` shows progress and metrics rows on the main process."""
+    check_guidance_options(options)
     processes = start_processes(options.device, options.dist_timeout_minutes)
     lock, finished = None, False
     try:
@@ -204,6 +209,10 @@ class StepResult:
     src_tokens: int
     lr: float
     votes: Votes
+    # guided alignment: the alignment cross-entropy summed over the aligned target pieces, and
+    # their count (None: not guided)
+    alignment_sum: float | None = None
+    aligned: int | None = None
 
 
 def _step(run: _Run, step: int, votes: Callable[[], Votes]) -> StepResult:
@@ -216,10 +225,15 @@ def _step(run: _Run, step: int, votes: Callable[[], Votes]) -> StepResult:
     # Each rank's losses are scaled so that the gradients DDP averages add up to the gradient
     # of (global loss sum / global target tokens).
     loss_scale = run.processes.world_size / tgt_tokens
+    guided = run.options.guided_alignment
+    alignments = [alignment_targets(run.data, taken.micro_batches[place],
+                                    batch.tgt_input.shape[1], batch.src_tokens.shape[1])
+                  for place, batch in taken.mine] if guided else None
     with _batch_must_fit(run.options, run.recipe):
         sums = forward_backward(run.ddp_model, taken.mine, loss_scale,
                                 run.recipe.label_smoothing, run.processes, run.dtype, run.scaler,
-                                seed=(run.options.seed, step))
+                                seed=(run.options.seed, step), alignments=alignments,
+                                alignment_lambda=run.options.alignment_lambda)
     lr = inverse_sqrt_lr(step + 1 - run.point.schedule_offset, run.model.config.d_model,
                          run.recipe.warmup, run.recipe.lr_scale)
     for group in run.optimizer.param_groups:
@@ -229,21 +243,27 @@ def _step(run: _Run, step: int, votes: Callable[[], Votes]) -> StepResult:
     # before its sums were read.
     run.votes[0], run.votes[1], run.votes[2] = asked.stop, asked.save, asked.time_up
     votes_now = run.votes.to(run.processes.device, non_blocking=True)
-    loss_sum, nll_sum, *summed = all_reduce_sum(torch.cat([sums, votes_now]), run.processes)
+    loss_sum, nll_sum, *sums_then_votes = all_reduce_sum(torch.cat([sums, votes_now]),
+                                                         run.processes)
+    alignment_sum, aligned = sums_then_votes[:2] if guided else (None, None)
+    summed = sums_then_votes[-3:]
     # Zeroed in place under DDP: gradients set to None would leave its buckets (a fresh
     # allocation and a copy into them at every step); alone, None saves the zeroing.
     keep_buckets = run.processes.distributed
-    if not math.isfinite(loss_sum):
+    if not math.isfinite(loss_sum + (alignment_sum or 0.0)):
         run.optimizer.zero_grad(set_to_none=not keep_buckets)
         good = checkpoints.list_checkpoints(run.run_dir, need_state=True)
         kept = f"the last good checkpoint is {good[-1][1]}" if good else \
             "no checkpoint was written yet"
-        raise TrainingDiverged(f"the loss became {loss_sum} at step {step + 1}; {kept}. "
+        what, loss = ("loss", loss_sum) if not math.isfinite(loss_sum) else \
+            ("alignment loss", alignment_sum)
+        raise TrainingDiverged(f"the {what} became {loss} at step {step + 1}; {kept}. "
                                "Try a lower --lr-scale or a longer --warmup.")
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=not keep_buckets)
-    return StepResult(loss_sum, nll_sum, tgt_tokens, src_tokens, lr, Votes(*summed))
+    return StepResult(loss_sum, nll_sum, tgt_tokens, src_tokens, lr, Votes(*summed),
+                      alignment_sum, None if aligned is None else round(aligned))
 
 
 def dropout_seed(seed: int, step: int, micro_batch: int) -> int:
@@ -254,26 +274,45 @@ def dropout_seed(seed: int, step: int, micro_batch: int) -> int:
 
 def forward_backward(ddp_model: torch.nn.Module, batches: list[tuple[int, Batch]],
                      loss_scale: float, epsilon: float, processes: Processes, dtype: str,
-                     scaler: torch.amp.GradScaler, seed: tuple[int, int]) -> torch.Tensor:
+                     scaler: torch.amp.GradScaler, seed: tuple[int, int],
+                     alignments: list[tuple[np.ndarray, np.ndarray, int]] | None = None,
+                     alignment_lambda: float = 0.0) -> torch.Tensor:
     """Accumulate the gradients of this process's share of one step's micro-batches
     (batching.process_share: each with its place in the step), each loss multiplied by
     `loss_scale`. DDP synchronises the gradients on the last backward only. Returns this
     process's (loss sum, NLL sum) as a float64 tensor on the device: summed there, read once
-    per step (a read per micro-batch would make the host wait for the device each time)."""
-    sums = torch.zeros(2, dtype=torch.float64, device=processes.device)
+    per step (a read per micro-batch would make the host wait for the device each time).
+
+    Guided alignment: `alignments` holds each micro-batch's reference (guided.alignment_targets),
+    the loss is then loss + alignment_lambda × the alignment cross-entropy, and the sums go on
+    with (alignment cross-entropy sum, target pieces aligned)."""
+    sums = torch.zeros(2 if alignments is None else 4, dtype=torch.float64,
+                       device=processes.device)
     for count, (place, host_batch) in enumerate(batches, start=1):
         torch.manual_seed(dropout_seed(*seed, place))
         batch = host_batch.to(processes.device)
         last = count == len(batches)
         sync = contextlib.nullcontext() if last or not processes.distributed else \
             ddp_model.no_sync()
+        guidance = {}
+        if alignments is not None:  # the reference, and its count of aligned target pieces
+            positions, weights, aligned = alignments[count - 1]
+            guidance["alignment"] = (
+                torch.from_numpy(positions).to(processes.device, non_blocking=True),
+                torch.from_numpy(weights).to(processes.device, non_blocking=True))
         with sync:
             with autocast(processes.device, dtype):
-                loss, nll = ddp_model(batch.src_tokens, batch.tgt_input,
-                                      output_positions=batch.target_positions,
-                                      targets=batch.targets, label_smoothing=epsilon)
-            scaler.scale(loss * loss_scale).backward()
-        sums += torch.stack([loss.detach(), nll]).double()
+                loss, nll, *alignment = ddp_model(batch.src_tokens, batch.tgt_input,
+                                                  output_positions=batch.target_positions,
+                                                  targets=batch.targets,
+                                                  label_smoothing=epsilon, **guidance)
+            objective = loss + alignment_lambda * alignment[0] if alignment else loss
+            scaler.scale(objective * loss_scale).backward()
+        if alignment:
+            sums[:3] += torch.stack([loss.detach(), nll, alignment[0].detach()]).double()
+            sums[3] += aligned  # a host number: no copy to the device to wait for
+        else:
+            sums += torch.stack([loss.detach(), nll]).double()
     return sums
 
 
@@ -390,16 +429,24 @@ class _Window:
     tgt: int = 0
     src: int = 0
     start: float = field(default_factory=time.monotonic)
+    alignment: float | None = None  # guided alignment: its cross-entropy sum
+    aligned: int = 0  # and the target pieces it was summed over
 
     def add(self, result: StepResult) -> None:
         self.loss, self.nll = self.loss + result.loss_sum, self.nll + result.nll_sum
         self.tgt, self.src = self.tgt + result.tgt_tokens, self.src + result.src_tokens
+        if result.alignment_sum is not None:
+            self.alignment = (self.alignment or 0.0) + result.alignment_sum
+            self.aligned += result.aligned
 
     def row(self, step: int, lr: float, epoch: int, elapsed: float) -> dict:
         seconds = max(time.monotonic() - self.start, 1e-9)
-        return {"step": step, "loss": self.loss / self.tgt, "nll": self.nll / self.tgt, "lr": lr,
-                "tokens_per_s": self.tgt / seconds, "src_tokens_per_s": self.src / seconds,
-                "epoch": epoch, "elapsed_s": elapsed}
+        row = {"step": step, "loss": self.loss / self.tgt, "nll": self.nll / self.tgt, "lr": lr,
+               "tokens_per_s": self.tgt / seconds, "src_tokens_per_s": self.src / seconds,
+               "epoch": epoch, "elapsed_s": elapsed}
+        if self.alignment is not None:  # per aligned target piece: 0 is the reference itself
+            row["alignment_loss"] = self.alignment / max(self.aligned, 1)
+        return row
 
 
 class _Clock:

@@ -53,7 +53,8 @@ class TrainingDisplay:
 
     def row(self, row: dict) -> None:
         parts = [f"step {row['step']}"]
-        for key, fmt in (("loss", ".4f"), ("nll", ".4f"), ("lr", ".3e"), ("tokens_per_s", ",.0f"),
+        for key, fmt in (("loss", ".4f"), ("nll", ".4f"), ("alignment_loss", ".4f"),
+                         ("lr", ".3e"), ("tokens_per_s", ",.0f"),
                          ("src_tokens_per_s", ",.0f"), ("valid_loss", ".4f"),
                          ("valid_ppl", ".3f"), ("valid_bleu", ".2f"), ("valid_chrf", ".2f"),
                          ("valid_f1", ".2f"), ("valid_s", ".1f"), ("elapsed_s", ".0f")):
@@ -77,7 +78,8 @@ def dry_run_report(options: TrainOptions, vocab_size: int | None, world_size: in
     plan = batch_plan(recipe.batch_tokens, options.max_tokens, world_size)
     if options.init is not None:
         config = dataclasses.replace(init_config(options.init), dropout=recipe.dropout)
-        return describe_model(preset, config, recipe, plan, init=options.init)
+        return describe_model(preset, config, recipe, plan, init=options.init,
+                              notes=guidance_lines(options, config))
     if options.data is not None:
         data = ParallelData(options.data)
         src_size = len(data.src_vocab)
@@ -87,7 +89,18 @@ def dry_run_report(options: TrainOptions, vocab_size: int | None, world_size: in
     else:
         raise AttnError("--dry-run needs a data file or --vocab-size")
     config = preset.model_config(src_size, tgt_size, dropout=recipe.dropout)
-    return describe_model(preset, config, recipe, plan)
+    return describe_model(preset, config, recipe, plan, notes=guidance_lines(options, config))
+
+
+def guidance_lines(options: TrainOptions, config: ModelConfig) -> list[str]:
+    """--guided-alignment's line of the report (none without it)."""
+    if not options.guided_alignment:
+        return []
+    from ..alignment import layer_index
+
+    layer = layer_index(options.alignment_layer, config.decoder_layers)
+    return [f"alignment   guided: head {options.alignment_head} of decoder layer {layer} (from "
+            f"0), lambda {options.alignment_lambda:g} (Garg et al. 2019; not in the paper)"]
 
 
 def parameter_groups(model: Transformer) -> dict[str, int]:
@@ -113,9 +126,11 @@ def parameter_groups(model: Transformer) -> dict[str, int]:
 
 
 def describe_model(preset: Preset, config: ModelConfig, recipe: Recipe | None = None,
-                   plan: BatchPlan | None = None, init: Path | None = None) -> str:
+                   plan: BatchPlan | None = None, init: Path | None = None,
+                   notes: list[str] = ()) -> str:
     """The `--dry-run` report: architecture, recipe and parameter counts, ending `params: N`;
-    `init`: the network is that model file's, fine-tuned with the preset's recipe."""
+    `init`: the network is that model file's, fine-tuned with the preset's recipe; `notes`:
+    lines on options of the run, after the batch plan."""
     recipe = recipe or Recipe.from_preset(preset)
     with torch.device("meta"):  # shapes only: instant even for `big`
         model = Transformer(config)
@@ -142,6 +157,7 @@ def describe_model(preset: Preset, config: ModelConfig, recipe: Recipe | None = 
     ]
     if plan is not None:
         lines.append(plan.describe())
+    lines += notes
     lines += [f"  {name:<10}{count:>14,}" for name, count in groups.items()]
     if preset.paper_params_millions is not None and init is None:
         paper = preset.paper_params_millions * 1e6

@@ -22,6 +22,7 @@ from ..checkpoints import ResumePoint, ResumeState
 from ..config import (
     FREELY_CHANGED,
     PER_NODE_OPTIONS,
+    TRAIN_DEFAULTS,
     Architecture,
     ModelConfig,
     TrainOptions,
@@ -41,6 +42,7 @@ from .distributed import (
     one_line,
     same_on_every_rank,
 )
+from .guided import guided_config
 
 
 @dataclass
@@ -104,6 +106,8 @@ def start(options: TrainOptions, processes: Processes) -> Start:
             loaded, state = load(run_dir, resume_from, processes.device)
             check_resume(loaded, state, config, data, options, processes)
             model = loaded.model.train()
+            # the head --guided-alignment supervises (the network's shape is the same)
+            model.config = guided_config(model.config, options, data)
             optimizer = adam(model)
             point = restore(state, model, optimizer, scaler, options, dtype, processes)
             # the model file it was seeded from, as its checkpoint recorded it (--init may have
@@ -113,8 +117,9 @@ def start(options: TrainOptions, processes: Processes) -> Start:
         if options.init is not None:
             model, provenance = init_model(options.init, dropout, data, processes.device,
                                            checksums["init model file"])
+            model.config = guided_config(model.config, options, data)  # as on resuming
         else:
-            config = preset_config(options.preset, dropout, data)
+            config = guided_config(preset_config(options.preset, dropout, data), options, data)
             model, provenance = Transformer(config).to(processes.device), {}
         return Start(data, valid, dtype, model.train(), adam(model), scaler, ResumePoint(),
                      provenance, resumed=False)
@@ -318,7 +323,9 @@ def check_resume(loaded: LoadedModel, state: ResumeState, config: ModelConfig,
     if loaded.src_vocab.checksum != data.metadata["src_vocab_sha256"]:
         raise AttnError(f"{options.data} was binarized with another vocabulary than the run "
                         f"in {options.output}: resuming needs the same vocabulary")
-    architecture = {f.name for f in dataclasses.fields(ModelConfig)} - {"dropout"}
+    # dropout is the recipe's; which head guided alignment supervises is an option's
+    architecture = ({f.name for f in dataclasses.fields(ModelConfig)} - {"dropout"}
+                    - set(ModelConfig.GUIDED_FIELDS))
     seeded = "init" in loaded.metadata
     changed = [] if seeded else [name for name in sorted(architecture)
                                  if getattr(loaded.config, name) != getattr(config, name)]
@@ -331,6 +338,8 @@ def check_resume(loaded: LoadedModel, state: ResumeState, config: ModelConfig,
     for key in sorted(set(recorded) | set(saved)):
         if key == "resume" or (key == "init" and recorded.get(key) is None):
             continue  # --init seeds a new run only: leaving it out on resume changes nothing
+        if key not in saved and recorded[key] == TRAIN_DEFAULTS.get(key):
+            continue  # an option newer than the checkpoint, at its default: nothing changes
         before, after = saved.get(key), recorded.get(key)
         if before != after:
             note = "" if key in FREELY_CHANGED else " (changes the recipe)"

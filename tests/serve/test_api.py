@@ -225,7 +225,8 @@ def test_v1_request_picks_a_model_by_id_or_pair():
 
 
 @pytest.mark.parametrize("fields, served, status, message", [
-    ({"txt": ["a"]}, ONE, 422, "unknown field 'txt' (fields: alignment, alpha, beam, max_len_a, "
+    ({"txt": ["a"]}, ONE, 422, "unknown field 'txt' (fields: alignment, alpha, beam, "
+                               "constraints, glossary, max_len_a, "
                                "max_len_b, model, nbest, prefix, raw, sample, scores, seed, "
                                "source, split, stop, "
                                "target, temperature, text, topk, topp)"),
@@ -675,8 +676,23 @@ def test_v1_prefixes_one_per_line_and_their_ids():
     split = dataclasses.replace(lines, split=True)
     assert refused(api.v1_prefixes, {"prefix": ["x"] * 3}, split)[0] == 422
 
-    def encode(texts):  # a toy vocabulary: "?" is outside it (<unk> is 1)
-        return [[1 if char == "?" else ord(char) for char in text] for text in texts]
-    assert api.prefix_ids(["ab", ""], encode, 1) == [[97, 98], []]
-    assert refused(api.prefix_ids, ["ab", "a?"], encode, 1) == (
+    class Vocab:  # a toy vocabulary: "?" is outside it (<unk> is 1)
+        def encode(self, texts):
+            return [[1 if char == "?" else ord(char) for char in text] for text in texts]
+
+    class Translator:
+        tgt_vocab, config, glossary = Vocab(), dataclasses.make_dataclass(
+            "Config", [("unk_id", int, 1)])(), None
+        options = dataclasses.make_dataclass("Options", [("sample", bool, False)])()
+
+        def controls_of(self, line, controls):
+            return controls
+
+    asked = api.RequestControls(prefixes=["ab", "", "c"])
+    controls = asked.line_controls(Translator(), ["x", "y", "z"])
+    assert [control.prefix for control in controls] == [(97, 98), (), (99,)]
+    assert api.RequestControls(prefixes=["", "", ""]).line_controls(
+        Translator(), ["x", "y", "z"]) is None
+    assert refused(api.RequestControls(prefixes=["ab", "a?"]).line_controls, Translator(),
+                   ["x", "y"]) == (
         422, "prefix[1] 'a?' has characters outside the model's target vocabulary: remove them")

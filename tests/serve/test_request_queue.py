@@ -153,13 +153,17 @@ def test_requests_with_target_prefixes_share_batches_with_those_without():
     import json
     from pathlib import Path
 
+    from attn_cli.controls import Controls
+
     fixtures = Path(__file__).resolve().parents[1] / "fixtures"
     golden = json.loads((fixtures / "golden.json").read_text(encoding="utf-8"))
     translator = load_translator(fixtures / golden["checkpoint"], device="cpu", threads=1,
                                  workers=1)
     requests = [golden["inputs"][0:3], golden["inputs"][3:5]]
     prefixes = [translator.tgt_vocab.encode(["j j", "", "a"]), None]
-    jobs = [Job(text, translator, None, prefixes=ids) for text, ids in zip(requests, prefixes)]
+    controls = [[Controls(prefix=tuple(prefix)) for prefix in prefixes[0]], None]
+    jobs = [Job(text, translator, None, controls=lines)
+            for text, lines in zip(requests, controls)]
     queue = RequestQueue(workers=1, worker_threads=1, capacity=100, window_s=0.05)
     try:
         submit_and_wait(queue, jobs)

@@ -120,6 +120,69 @@ def test_alignments_are_decode_alignment_s(server, trained, lines):
         column for _, column in expected]
 
 
+def test_constraints_and_a_glossary_are_decode_s(server, trained, lines, tmp_path):
+    """"constraints" (a list of phrases per line) and "glossary" (source: target terms) answer
+    `attn decode --constraints` and `--glossary`'s lines; an empty glossary is none; a phrase
+    outside the vocabulary, or constraints with sample, is a 422 naming it."""
+    model, _ = trained
+    words = [line.split()[-1].strip(".") for line in lines[:4]]
+    phrases = [[word] for word in reversed(words)]
+    expected = decode(model, [f"{line}\t{row[0]}" for line, row in zip(lines[:4], phrases)],
+                      "--constraints")
+    status, answer = call(server, "POST", "/v1/translate",
+                          {"text": lines[:4], "constraints": phrases, "glossary": {}})
+    assert status == 200 and answer["translations"] == expected
+    term = lines[0].split()[1]
+    glossary = tmp_path / "terms.tsv"
+    glossary.write_text(f"{term}\t{words[3]}\n", encoding="utf-8")
+    status, answer = call(server, "POST", "/v1/translate",
+                          {"text": lines[:4], "glossary": {term: words[3]}})
+    assert status == 200
+    assert answer["translations"] == decode(model, lines[:4], "--glossary", glossary)
+    status, answer = call(server, "POST", "/v1/translate",
+                          {"text": lines[0], "constraints": ["\u2603\u2603"]})
+    assert status == 422 and "constraints '\u2603\u2603' has characters outside" in \
+        answer["error"]
+    status, answer = call(server, "POST", "/v1/translate",
+                          {"text": lines[0], "constraints": [term], "sample": True})
+    assert status == 422 and "need beam search" in answer["error"]
+
+
+@pytest.mark.long  # a server of its own and four decodes: ~17 s on 2 busy cores
+def test_a_server_glossary_and_bans_hold_for_both_apis(trained, lines, tmp_path):
+    """`attn serve --glossary FILE --ban FILE`: LibreTranslate's /translate (sentences cut)
+    answers `attn decode --split-sentences --glossary --ban`'s lines, /v1/translate `attn
+    decode --glossary --ban`'s, and a request's own glossary adds to the server's."""
+    model, _ = trained
+    first, second = lines[0].split()[1], lines[1].split()[1]
+    glossary, ban = tmp_path / "terms.tsv", tmp_path / "ban.txt"
+    glossary.write_text(f"{first}\t{lines[2].split()[-1].strip('.')}\n", encoding="utf-8")
+    banned = next(output.split()[0] for output in decode(model, lines[:8]) if output.strip())
+    ban.write_text(banned + "\n", encoding="utf-8")
+    controls = ["--glossary", glossary, "--ban", ban]
+    process = Server(serve_command(model, "--langs", "en-de", *controls))
+    try:
+        process.wait_ready()
+        paragraph = f"{lines[0]} {lines[1]}"
+        status, answer = call(process, "POST", "/translate",
+                              {"q": paragraph, "source": "en", "target": "de"})
+        assert status == 200
+        assert answer["translatedText"] == decode(model, [paragraph], "--split-sentences",
+                                                  *controls)[0]
+        status, answer = call(process, "POST", "/v1/translate", {"text": lines[:3]})
+        assert status == 200 and answer["translations"] == decode(model, lines[:3], *controls)
+        both = tmp_path / "both.tsv"
+        both.write_text(glossary.read_text(encoding="utf-8") +
+                        f"{second}\t{lines[3].split()[-1].strip('.')}\n", encoding="utf-8")
+        status, answer = call(process, "POST", "/v1/translate", {
+            "text": lines[:3], "glossary": [[second, lines[3].split()[-1].strip(".")]]})
+        assert status == 200
+        assert answer["translations"] == decode(model, lines[:3], "--glossary", both, "--ban",
+                                                ban)
+    finally:
+        assert process.stop() == 0
+
+
 def test_empty_lines_stay_in_place(server, trained, lines):
     model, _ = trained
     text = ["", lines[0], "   ", lines[1], ""]
@@ -282,7 +345,8 @@ COMPANIONS = {"alpha": b', "scores": true', **{name: b', "sample": true' for nam
 # The (field, edge) pairs that are valid requests (200); every other pair is a 4xx.
 V1_ACCEPTED = {("text", "string"), ("model", "null"), ("source", "null"), ("target", "null"),
                ("split", "true"), ("scores", "true"), ("sample", "true"), ("alignment", "true"),
-               ("raw", "true"), ("prefix", "null"), ("alpha", "5e-324"), ("max_len_a", "5e-324"),
+               ("raw", "true"), ("prefix", "null"), ("constraints", "null"),
+               ("glossary", "null"), ("alpha", "5e-324"), ("max_len_a", "5e-324"),
                ("topp", "5e-324"), ("topk", "2**63"), ("seed", "-1"), ("seed", "2**63")}
 LIBRE_ACCEPTED = {("q", "string"), ("alternatives", "true"), ("alternatives", "5e-324")}
 
