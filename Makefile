@@ -14,7 +14,7 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(TORCH) -e '.[test,plot,ct2,serve,hf]'
+	$(BIN)/pip install --quiet $(TORCH) -e '.[test,plot,ct2,serve,hf,tensorboard,wandb]'
 	touch $@
 
 demo: install

@@ -4,8 +4,9 @@ EOS/BOS included) within a token budget.
 Training cuts a data file into length-bucketed, shuffled micro-batches (`token_batches`, §5.1),
 shares a global batch among processes and forward passes (`BatchPlan`), and streams them epoch
 after epoch from a resumable position (`MicroBatchStream`), a step at a time, collated ahead on a
-GPU (`StepStream`); every teacher-forced pass (training, validation loss, `score -m`, attention
-maps) collates x + EOS, BOS + y and y + EOS, and where the targets are (`collate`);
+GPU (`StepStream`); several data files are drawn from by weight, each epoch's pairs a function of
+(seed, epoch) (`CorpusMix`); every teacher-forced pass (training, validation loss, `score -m`,
+attention maps) collates x + EOS, BOS + y and y + EOS, and where the targets are (`collate`);
 searches (`decode`, `parse`, validation by BLEU/F1) cut sources sorted by length
 (`token_budget_batches`) and pad them (`pad_sequences`).
 """
@@ -16,11 +17,12 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import torch
 
-from .data import ParallelData
+from .data import Corpora, ParallelData
 from .formats import BOS_ID, EOS_ID, PAD_ID
 
 # --------------------------------------------------------------------------------- training
@@ -100,7 +102,9 @@ def batch_plan(batch_tokens: int, max_tokens: int | None, world_size: int) -> Ba
 
 class MicroBatchStream:
     """The endless sequence of micro-batches (index arrays), epoch after epoch, each epoch
-    bucketed and shuffled from (seed, epoch). `position` is what resuming needs.
+    bucketed and shuffled from (seed, epoch). `position` is what resuming needs. An epoch holds
+    every pair of the data once, or, with a `mix` of several corpora, the pairs it draws for
+    that epoch (CorpusMix.epoch_pairs, a function of the seed and the epoch too).
 
     A run resumed with another budget per micro-batch (another process count or --max-tokens)
     goes on from the same place in the data: the epoch's batches used so far stay as they were
@@ -108,9 +112,10 @@ class MicroBatchStream:
     of the epoch is cut with the new budget from the pairs they left, so that no pair is
     skipped or seen twice."""
 
-    def __init__(self, data: ParallelData, max_tokens: int, seed: int, epoch: int = 0,
-                 offset: int = 0, earlier_budgets: tuple[tuple[int, int], ...] = ()):
-        self.data, self.max_tokens, self.seed = data, max_tokens, seed
+    def __init__(self, data: ParallelData | Corpora, max_tokens: int, seed: int, epoch: int = 0,
+                 offset: int = 0, earlier_budgets: tuple[tuple[int, int], ...] = (),
+                 mix: CorpusMix | None = None):
+        self.data, self.max_tokens, self.seed, self.mix = data, max_tokens, seed, mix
         self.epoch, self.offset = epoch, offset
         self.earlier_budgets = tuple((int(budget), int(count))
                                      for budget, count in earlier_budgets)
@@ -118,18 +123,23 @@ class MicroBatchStream:
 
     def _epoch_batches(self) -> list[np.ndarray]:
         """This epoch's batches: each earlier budget's share cut from the pairs the ones before
-        it left, the rest with this stream's budget."""
-        unused = np.arange(len(self.data))
+        it left, the rest with this stream's budget. What is left is kept as places in the
+        epoch's list of pairs, not as pairs: a pair a mix draws twice is there twice (one
+        corpus alone: the places are the pairs, as they always were)."""
+        pairs = (np.arange(len(self.data)) if self.mix is None
+                 else self.mix.epoch_pairs(self.seed, self.epoch))
+        unused = np.arange(len(pairs))
         batches: list[np.ndarray] = []
         for budget, count in (*self.earlier_budgets, (self.max_tokens, None)):
             if len(unused) == 0:
                 break
-            cut = token_batches(self.data.src_lengths[unused], self.data.tgt_lengths[unused],
+            chosen = pairs[unused]
+            cut = token_batches(self.data.src_lengths[chosen], self.data.tgt_lengths[chosen],
                                 budget, self.seed, self.epoch)[:count]
-            cut = [unused[indices] for indices in cut]
-            batches += cut
+            batches += [chosen[indices] for indices in cut]
             if count is not None:
-                unused = np.setdiff1d(unused, np.concatenate(cut))
+                unused = np.setdiff1d(unused, np.concatenate([unused[indices]
+                                                              for indices in cut]))
         return batches
 
     @property
@@ -166,6 +176,95 @@ class MicroBatchStream:
             taken.append(self._batches[self.offset])
             self.offset += 1
         return taken
+
+
+# -------------------------------------------------------------------- several corpora, weighted
+
+# The RNG stream of a corpus's passes: [seed, this, corpus, pass], apart from token_batches'
+# [seed, epoch] and dropout's seeds.
+PASS_STREAM = 43
+
+
+@dataclass(frozen=True)
+class CorpusMix:
+    """What an epoch draws from several corpora (`attn train A.st B.st C.st --weights 1,1,4`):
+    as many pairs as they hold together, of which corpus i gives `quotas[i]`, in proportion to
+    its weight. Each corpus is read as an endless sequence of passes, each pass a permutation of
+    its pairs drawn from (seed, corpus, pass); epoch e takes the quota's next stretch of it,
+    positions e × quota to (e + 1) × quota. A corpus whose quota is above its size is repeated
+    (its whole passes, then part of one); one whose quota is below it is subsampled without
+    replacement, epoch after epoch through the same pass, so that every pair is seen before any
+    is seen again. Everything is a function of (seed, epoch, the sizes and the quotas): a
+    resumed run draws what the uninterrupted one did, and no cursor needs saving. With the
+    default weights (each corpus's size) every quota is its size and an epoch is the
+    concatenation of the corpora, pair for pair: one data file is drawn from as it always was."""
+
+    sizes: tuple[int, ...]  # pairs in each corpus, in the order given
+    quotas: tuple[int, ...]  # pairs each gives an epoch; they add up to sum(sizes)
+    shares: tuple[float, ...]  # the weights normalised (what the quotas are rounded from)
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Each corpus's first index among all the pairs (Corpora's numbering)."""
+        return np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+
+    def epoch_pairs(self, seed: int, epoch: int) -> np.ndarray:
+        """The pairs of epoch `epoch`, as indices into all the corpora: corpus by corpus, each's
+        draw sorted (a pair drawn k times is there k times). token_batches shuffles them."""
+        return np.concatenate([start + corpus_draw(size, quota, seed, corpus, epoch)
+                               for corpus, (start, size, quota)
+                               in enumerate(zip(self.starts, self.sizes, self.quotas))])
+
+    def corpus_of(self, indices: np.ndarray) -> np.ndarray:
+        """The corpus (its place in the order given) each pair of `indices` comes from."""
+        return np.searchsorted(self.starts, indices, side="right") - 1
+
+    def describe(self, names: Sequence[str]) -> list[str]:
+        """A log line per corpus: its size, weight and what an epoch takes of it."""
+        return [f"corpus {name}: {size:,} pairs, weight {share:.3g}, {quota:,} pairs an epoch "
+                f"({quota / size:.3g}x its size)"
+                for name, size, share, quota in zip(names, self.sizes, self.shares, self.quotas)]
+
+
+def corpus_mix(sizes: Sequence[int], weights: Sequence[Fraction] | None = None) -> CorpusMix:
+    """The mix of corpora of `sizes` pairs, weighted by `weights` (positive; None: by size).
+    An epoch holds sum(sizes) pairs; corpus i's quota is its exact share, sum × w_i / sum(w),
+    rounded by largest remainder (Hamilton's method): each quota is its share rounded down, and
+    the pairs that rounding leaves go one each to the largest remainders (ties: the earlier
+    corpus), so that the quotas add up to the epoch exactly and each is within 1 of its share.
+    In exact fractions, so that the quotas are the same on every machine."""
+    weights = [Fraction(size) for size in sizes] if weights is None else list(weights)
+    total, weight_sum = sum(sizes), sum(weights)
+    shares = [total * weight / weight_sum for weight in weights]
+    quotas = [math.floor(share) for share in shares]
+    by_remainder = sorted(range(len(shares)), key=lambda i: (quotas[i] - shares[i], i))
+    for corpus in by_remainder[:total - sum(quotas)]:
+        quotas[corpus] += 1
+    return CorpusMix(tuple(int(size) for size in sizes), tuple(quotas),
+                     tuple(float(weight / weight_sum) for weight in weights))
+
+
+def corpus_draw(size: int, quota: int, seed: int, corpus: int, epoch: int) -> np.ndarray:
+    """The pairs a corpus of `size` gives epoch `epoch` (its indices, sorted, a pair drawn k
+    times k times): positions epoch × quota to (epoch + 1) × quota of its sequence of passes,
+    pass p a permutation of its pairs from (seed, corpus, p) (CorpusMix). Passes wholly inside
+    that stretch give every pair once whatever their order, so only the part-passes at its two
+    ends are permuted: a tiny corpus drawn a thousand times an epoch costs no more than once."""
+    begin, end = epoch * quota, (epoch + 1) * quota
+    first_whole, end_whole = -(-begin // size), end // size  # passes [first_whole, end_whole)
+    counts = np.zeros(size, dtype=np.int64)
+    if end_whole < first_whole:  # inside one pass
+        parts = [(begin, end)]
+    else:
+        counts += end_whole - first_whole
+        parts = [(begin, first_whole * size), (end_whole * size, end)]
+    for part_begin, part_end in parts:
+        if part_end > part_begin:
+            pass_number = part_begin // size
+            order = np.random.default_rng([seed, PASS_STREAM, corpus, pass_number]) \
+                .permutation(size)
+            counts[order[part_begin - pass_number * size:part_end - pass_number * size]] += 1
+    return np.repeat(np.arange(size, dtype=np.int64), counts)
 
 
 # -------------------------------------------------------------------------- teacher forcing
@@ -224,7 +323,7 @@ def collate_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], bos_id: 
                  tgt_output.reshape(-1)[target_positions])
 
 
-def collate(data: ParallelData, indices: np.ndarray) -> Batch:
+def collate(data: ParallelData | Corpora, indices: np.ndarray) -> Batch:
     """The pairs `indices` of a data file as a `Batch`."""
     return collate_pairs([data.pair(int(i)) for i in indices])
 
@@ -241,7 +340,7 @@ class Step:
     earlier_budgets: tuple[tuple[int, int], ...]
 
 
-def process_share(data: ParallelData, micro_batches: list[np.ndarray], rank: int,
+def process_share(data: ParallelData | Corpora, micro_batches: list[np.ndarray], rank: int,
                   world_size: int) -> list[tuple[int, Batch]]:
     """Process `rank`'s micro-batches of a step, every world_size-th from its rank, collated,
     each with its place in the step (which seeds its dropout)."""

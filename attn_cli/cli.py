@@ -112,6 +112,7 @@ Tokenizer = _choices("Tokenizer", (*TOKENIZERS, COMPOUND_SPLIT))
 ValidMetric = _choices("ValidMetric", VALID_METRICS)
 GradSync = _choices("GradSync", GRAD_SYNC)
 CudnnAttention = _choices("CudnnAttention", CUDNN_ATTENTION)
+WandbMode = _choices("WandbMode", ("offline", "online"))  # train --wandb-mode
 
 
 # Options that decode, parse and score share, declared once.
@@ -189,6 +190,11 @@ def vocab(
     symbols_path: Optional[Path] = typer.Option(
         None, "--symbols", help="A file of tokens to keep whole, one per line (`attn parse "
         "linearize` writes PREFIX.symbols with the tree brackets)."),
+    tags: Optional[str] = typer.Option(
+        None, "--tags", metavar="fr,de,...,bt", help="Reserve a tag piece for each target "
+        "language (<2fr>, Johnson et al. 2017) and, for bt, one for back-translated sources "
+        "(<bt>, Caswell et al. 2019): one model, many target languages (`binarize "
+        "--target-tag`, `decode --target-lang`)."),
     replace_invalid: bool = typer.Option(False, "--replace-invalid", help=REPLACE_INVALID_HELP),
 ) -> None:
     """Learn a shared subword vocabulary (SentencePiece) from text files."""
@@ -196,6 +202,9 @@ def vocab(
 
     if files.count("-") > 1:
         raise AttnError("stdin ('-') can be read only once")
+    from .tags import symbols as tag_symbols
+
+    tag_pieces = tag_symbols(tags) if tags is not None else []  # checked before reading
     started = time.perf_counter()
     policy = _utf8_policy(strict=not replace_invalid)
     lines, total = vocabulary_module.sample_lines(files, sample, seed, policy)
@@ -208,6 +217,8 @@ def vocab(
         from .files import read_lines
 
         symbols = [line.strip() for line in read_lines(symbols_path) if line.strip()]
+    if tag_pieces:
+        symbols = [*(symbols or []), *tag_pieces]
     learned = vocabulary_module.learn(lines, size, model_type.value, coverage, seed, threads,
                                       verbose, symbols)
     listing = vocabulary_module.write(learned, output)
@@ -236,10 +247,52 @@ def binarize(
         "--guided-alignment`: a line per pair of SRC and TGT, in Pharaoh format (0-0 1-2 2-1: "
         "source word - target word, whitespace words from 0; fast_align, eflomal), kept in "
         "the data file in subword pieces."),
+    langs: Optional[str] = typer.Option(
+        None, "--langs", metavar="SRC-TGT", help="The language pair (en-de), recorded in the "
+        "data file (`attn train` refuses to mix pairs), and what --langid expects."),
+    clean: bool = typer.Option(False, "--clean", help="All the cleaning filters below but "
+                               "--langid, with --max-ratio 3 unless given."),
+    max_ratio: Optional[float] = typer.Option(
+        None, "--max-ratio", metavar="R", min=1.0, help="Drop pairs whose longer side has more "
+        "than R times the subword pieces of the shorter (pieces, as --max-len counts)."),
+    dedup: bool = typer.Option(False, "--dedup", help="Drop pairs seen before (the same "
+                               "subwords on both sides: whitespace runs are one space)."),
+    drop_copies: bool = typer.Option(False, "--drop-copies", help="Drop pairs whose target is "
+                                     "the source, whitespace and case aside."),
+    drop_control: bool = typer.Option(
+        False, "--drop-control", help="Drop pairs with control or invisible characters: "
+        "Unicode Cc (TAB aside), Cf (zero-width, bidi marks, soft hyphens; ZWNJ and ZWJ aside), "
+        "Co, Cn."),
+    drop_digit_mismatch: bool = typer.Option(
+        False, "--drop-digit-mismatch", help="Drop pairs whose sides hold different digit "
+        "sequences (as multisets: order may differ)."),
+    langid: bool = typer.Option(False, "--langid", help="Drop pairs with a side not in its "
+                                "--langs language, by py3langid over all its languages (pip "
+                                "install 'attn[clean]'; ~30,000 sentences/s a core, two a "
+                                "pair)."),
+    dropped: Optional[str] = typer.Option(
+        None, "--dropped", metavar="FILE", help="Write each dropped pair, a line each: "
+        "filter<TAB>line number<TAB>source<TAB>target (a TAB in a sentence as a space)."),
+    target_tag: Optional[str] = typer.Option(
+        None, "--target-tag", metavar="CODE", help="Start every source with the tag of this "
+        "target language (<2fr>, reserved by `attn vocab --tags`; an OPUS-MT model's "
+        ">>fra<<), recorded in the data file: corpora of several target languages, each with "
+        "its tag, train one model (Johnson et al. 2017)."),
+    tag: Optional[str] = typer.Option(
+        None, "--tag", metavar="bt", help="Start every source with this tag too, after "
+        "--target-tag's: bt marks back-translated sources (<bt>, Caswell et al. 2019)."),
 ) -> None:
-    """Encode a parallel corpus into a training data file (safetensors)."""
+    """Encode a parallel corpus into a training data file (safetensors), cleaning it on the way
+    if told (each filter's drops counted in the summary)."""
+    from .cleaning import clean_options
+    from .config import parse_langs
     from .data import binarize as binarize_corpus
     from .vocab import Vocabulary
+
+    pair = parse_langs(langs)
+    cleaning = clean_options(clean=clean, max_ratio=max_ratio, dedup=dedup,
+                             drop_copies=drop_copies, drop_control=drop_control,
+                             drop_digit_mismatch=drop_digit_mismatch, langid=langid, langs=pair)
 
     if vocab_path.suffix == ".st" and not tgt_vocab_path:  # a model file: its vocabularies
         from .modelfile import load_model
@@ -250,12 +303,18 @@ def binarize(
     else:
         src_vocab = Vocabulary.from_file(vocab_path)
         tgt_vocab = Vocabulary.from_file(tgt_vocab_path) if tgt_vocab_path else None
+    from .tags import binarize_tags
+
+    source_tags = binarize_tags(src_vocab, target_tag, [tag] if tag else [], str(vocab_path),
+                                alignments is not None)
     policy = _utf8_policy(strict=not replace_invalid)
     stats = binarize_corpus(src, tgt, output, src_vocab, tgt_vocab, max_len=max_len,
-                            threads=threads, policy=policy, alignments_path=alignments)
+                            threads=threads, policy=policy, alignments_path=alignments,
+                            cleaning=cleaning, dropped_path=dropped, langs=pair,
+                            source_tags=source_tags)
     policy.finish()
     log(f"binarize: {stats.summary()}")
-    log(f"binarize: wrote {output}")
+    log(f"binarize: wrote {output}" + (f" and {dropped}" if dropped and dropped != "-" else ""))
 
 
 # ---------------------------------------------------------------------------------------- train
@@ -266,8 +325,18 @@ def train(
     context: typer.Context,
     data: Optional[Path] = typer.Argument(None, metavar="TRAIN.st",
                                           help="Training data from `attn binarize`."),
+    more_data: Optional[List[Path]] = typer.Argument(
+        None, metavar="MORE.st", show_default=False, help="More training data files (the same "
+        "vocabulary), drawn from by --weights."),
     output: Optional[Path] = typer.Option(None, "-o", "--output",
                                           help="The run directory (checkpoints, metrics)."),
+    weights: Optional[str] = typer.Option(
+        None, "--weights", metavar="W1,W2,...", help="Several data files: one positive weight "
+        "a file, in their order (normalised). An epoch holds as many pairs as the files "
+        "together, file i's share in proportion to its weight: a small file is repeated, a big "
+        "one subsampled, every pair of it seen before any again. Default: each file's size "
+        "(the files concatenated). An option, not a config file: composable in a Makefile, no "
+        "new format."),
     valid: Optional[Path] = typer.Option(None, "--valid", help="Validation data (binarized "
                                          "with the same vocabulary); scored at each save."),
     valid_metric: ValidMetric = typer.Option(
@@ -368,6 +437,18 @@ def train(
         "supervised head, from 0, or from the last as -1 (default: the penultimate)."),
     alignment_head: int = typer.Option(TRAIN_DEFAULTS["alignment_head"], "--alignment-head",
                                        min=0, help="The supervised head of that layer."),
+    tensorboard: Optional[Path] = typer.Option(
+        None, "--tensorboard", metavar="DIR", help="Also write each metrics.jsonl row to this "
+        "TensorBoard directory as it is written (its numbers against the step), flushed at each "
+        "row (pip install 'attn[tensorboard]'). A resumed run goes on in it, each step once."),
+    wandb_project: Optional[str] = typer.Option(
+        None, "--wandb", metavar="PROJECT", help="Also log each metrics.jsonl row to this "
+        "Weights & Biases project (pip install 'attn[wandb]'), in one W&B run that a resumed "
+        "run goes on with (its id in RUN_DIR/live-logs.json), each step once."),
+    wandb_mode: Optional[WandbMode] = typer.Option(
+        None, "--wandb-mode", help="offline: W&B's files in RUN_DIR/wandb, no network needed "
+        "(`wandb sync RUN_DIR/wandb/offline-run-*` uploads them); online: sent as it trains "
+        "(`wandb login` first). Default: WANDB_MODE where set, else offline."),
     vocab_size: Optional[int] = typer.Option(None, "--vocab-size", min=8,
                                              help="Vocabulary size for --dry-run without data."),
     nproc: Optional[int] = typer.Option(None, "--nproc", min=1, help="Processes to plan the "
@@ -393,9 +474,10 @@ def train(
     from .train import loop as training
     from .train import report as train_report
     from .train.guided import check_options as check_guidance_options
-    from .train.start import check_init_preset
+    from .train.start import check_data_options, check_init_preset
 
     check_guidance_options(options)
+    check_data_options(options)
     if init is not None:
         # A --preset typed beside --init must match the model's architecture; its default
         # only lends the recipe. (By name: Typer may bring its own copy of click's enum.)
@@ -407,7 +489,13 @@ def train(
         return
     if data is None or output is None:
         raise AttnError("train needs a data file and -o RUN_DIR (or --dry-run)")
-    training.train(options, display=train_report.TrainingDisplay())
+    from .train.live_logs import LiveLogs
+
+    # A missing extra is refused here, before the run starts.
+    live_logs = LiveLogs(output, tensorboard, wandb_project,
+                         wandb_mode.value if wandb_mode else None, options.record())
+    with train_report.TrainingDisplay(live_logs) as display:
+        training.train(options, display=display)
 
 
 @app.command()
@@ -494,6 +582,12 @@ def decode(
         None, "--source-lang", metavar="CODE", help="The language whose rules "
         "--split-sentences cuts by (en, de, ja, pt-BR: its region ignored) [default: the "
         "model file's source language, if it names one; else English's rules]."),
+    target_lang: Optional[str] = typer.Option(
+        None, "--target-lang", metavar="CODE", help="Translate into this language, with a "
+        "model of several target languages: every line's source starts with the language's "
+        "tag, as the model was trained (<2fr>, from `attn vocab --tags` and `binarize "
+        "--target-tag`; >>fra<< in a model imported from OPUS-MT). A code the model has no "
+        "tag for is an error listing those it has."),
     prefix: bool = typer.Option(
         False, "--prefix", help="Each line is `source<TAB>prefix` (a line without a tab has "
         "no prefix): its outputs start with the prefix, as the target vocabulary's pieces of "
@@ -566,7 +660,14 @@ def decode(
                                  stop=stop, sample=sample, topk=topk, topp=topp,
                                  temperature=temperature, seed=seed,
                                  batch_tokens=batch_tokens, buffer_size=buffer_size, raw=raw,
-                                 int8=int8, constraint_search=constraint_search)
+                                 int8=int8, constraint_search=constraint_search,
+                                 target_lang=target_lang)
+    if target_lang is None:
+        from .tags import untagged_note
+
+        note = untagged_note(translator.src_vocab, str(model_path[0]))
+        if note:
+            log(f"decode: warning: {note}")
     use_controls(translator, glossary, ban)
     loaded_in = time.perf_counter() - started
     log(f"decode: model loaded in {loaded_in:.2f}s")
@@ -599,7 +700,9 @@ def serve(
         "without pairs, any -m again) adds a model to that pair's ensemble, as in `attn "
         "decode`: an ensemble is of one pair's models, so repeating the pair says which files "
         "it joins, without a separator a file name could hold. (A file whose name looks like a "
-        "pair: ./en-de=x.st.)"),
+        "pair: ./en-de=x.st.) A model of several target languages (`attn vocab --tags`, an "
+        "OPUS-MT import) is served per pair, -m en-fr,en-de=multi.st: loaded once, each "
+        "request's sources start with its target's tag."),
     host: str = typer.Option(SERVE_DEFAULTS["host"], "--host", help="Address to listen on "
                              "(0.0.0.0: every interface; only with --api-key on a shared "
                              "network)."),

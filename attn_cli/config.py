@@ -248,6 +248,10 @@ class TrainOptions:
 
     data: Path | None = _option(on_resume=PER_NODE)
     output: Path | None = _option(on_resume=PER_NODE)
+    # Several corpora: the data files after the first, each drawn from by its --weights (one a
+    # file, "1,1,4"; None: by size, the corpora concatenated) (batching.CorpusMix).
+    more_data: tuple[Path, ...] | None = _option(None, on_resume=PER_NODE)
+    weights: str | None = _option(None)
     preset: str = _option("base")
     # fine-tuning: the model file a new run starts from (weights and architecture; the preset
     # then gives the recipe only); a resumed run goes on from its checkpoint instead
@@ -291,6 +295,15 @@ class TrainOptions:
     alignment_layer: int = _option(-2)  # a Python index over the decoder layers: penultimate
     alignment_head: int = _option(0)
 
+    def __post_init__(self):
+        if self.more_data is not None:  # the command line's list; none is None
+            object.__setattr__(self, "more_data", tuple(map(Path, self.more_data)) or None)
+
+    @property
+    def data_files(self) -> list[Path]:
+        """Every training data file, in the order given."""
+        return [path for path in (self.data, *(self.more_data or ())) if path is not None]
+
     def recipe(self) -> "Recipe":
         """The preset with this run's overrides: what the run actually uses."""
         return Recipe.from_preset(get_preset(self.preset), **{
@@ -300,7 +313,8 @@ class TrainOptions:
         """Every option, the recipe's filled in, as JSON values: what a checkpoint keeps to tell
         a resumed run what it changes."""
         filled = {**dataclasses.asdict(self), **dataclasses.asdict(self.recipe())}
-        return {key: str(value) if isinstance(value, Path) else value
+        return {key: str(value) if isinstance(value, Path) else
+                [str(path) for path in value] if isinstance(value, tuple) else value
                 for key, value in filled.items()}
 
 

@@ -7,6 +7,8 @@ train/guided.py), it also holds each pair's word alignment in pieces, in the sam
 (m, 2) of (source piece, target piece), int16 (int32 past --max-len 32767), sorted by target
 piece, and int64 offsets (n+1) into them. Memory stays bounded on both ends: binarize
 streams chunks through temporary files; the reader maps the file and touches only what it batches.
+Binarize's cleaning filters (cleaning.py) judge a chunk at a time too; only --dedup keeps
+something of every pair (5 bytes a line).
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from . import stfile
+from .cleaning import EMPTY, TOO_LONG, Cleaner, CleanOptions, count_lines, dropped_output
 from .errors import AttnError
 from .files import (
     STRICT,
@@ -47,6 +50,7 @@ from .formats import (
     offsets_tensor,
     vocab_tensor,
 )
+from .tags import SourceTags
 from .vocab import Vocabulary
 
 
@@ -60,12 +64,14 @@ class BinarizeStats:
     tgt_tokens: int = 0
     seconds: float = 0.0
     alignment_pairs: int | None = None  # piece pairs kept, with --alignments
+    filtered: dict[str, int] = field(default_factory=dict)  # the cleaning filters' drops, by name
 
     def summary(self) -> str:
         aligned = "" if self.alignment_pairs is None else \
             f", {self.alignment_pairs} aligned piece pairs"
+        cleaned = "".join(f", {count} dropped ({name})" for name, count in self.filtered.items())
         return (f"{self.lines} lines read, {self.pairs} pairs kept, {self.dropped_empty} dropped "
-                f"(empty side), {self.dropped_too_long} dropped (too long); "
+                f"(empty side), {self.dropped_too_long} dropped (too long){cleaned}; "
                 f"{self.src_tokens} source + {self.tgt_tokens} target tokens{aligned} in "
                 f"{self.seconds:.1f}s")
 
@@ -106,10 +112,13 @@ def _mismatch(src_path, tgt_path, src_handle, tgt_handle, src_count, tgt_count,
                      f"{display_name(tgt_path)} has {tgt_count}{remedy}")
 
 
-def _encode_side(texts: list[str], vocabulary: Vocabulary,
-                 threads: int) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
-    """One chunk of one side → (flat int32 ids, int64 lengths, the ids of each line)."""
+def _encode_side(texts: list[str], vocabulary: Vocabulary, threads: int,
+                 tags: SourceTags | None = None) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
+    """One chunk of one side → (flat int32 ids, int64 lengths, the ids of each line), each
+    line's ids after `tags`' (an empty line's stay empty)."""
     sequences = vocabulary.encode(texts, threads)
+    if tags is not None:
+        sequences = tags.prepend(sequences)
     lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
     flat_ids = np.fromiter(itertools.chain.from_iterable(sequences), dtype="<i4",
                            count=int(lengths.sum()))
@@ -190,12 +199,19 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
              chunk_lines: int = 10_000,
              progress: Callable[[BinarizeStats], None] | None = None,
              policy: Utf8Policy = STRICT,
-             alignments_path: str | os.PathLike | None = None) -> BinarizeStats:
+             alignments_path: str | os.PathLike | None = None,
+             cleaning: CleanOptions | None = None,
+             dropped_path: str | os.PathLike | None = None,
+             langs: tuple[str, str] | None = None,
+             source_tags: SourceTags | None = None) -> BinarizeStats:
     """Encode a parallel corpus into a data file. Pairs with an empty side or a side of more
     than `max_len` subwords are dropped and counted. `tgt_vocab`: a separate target vocabulary.
     `policy`: what invalid UTF-8 does (an error by default: training data should be clean).
     `alignments_path`: a Pharaoh word alignment of each pair (a line per pair, in order), kept
-    in pieces for guided alignment."""
+    in pieces for guided alignment. `cleaning`: the filters that drop more (cleaning.py), each
+    counted; `dropped_path`: a file naming each dropped pair (cleaning.DroppedWriter); `langs`:
+    the (source, target) languages, recorded in the metadata (`langs`, "en-de"); `source_tags`:
+    the tags every source starts with (tags.py: a target language's, bt), and their metadata."""
     stdin = [path for path in (src_path, tgt_path, alignments_path) if str(path) == "-"]
     if len(stdin) > 1:
         raise AttnError("only one of the source, the target and the alignments can be stdin")
@@ -205,8 +221,14 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     paths = {"src": src_path, "tgt": tgt_path}
+    cleaner = None
+    if cleaning is not None and cleaning.reasons:
+        expected = (count_lines(src_path) or count_lines(tgt_path)) if cleaning.dedup else None
+        cleaner = Cleaner(cleaning, expected)  # (--dedup's table is sized from the lines)
+        stats.filtered = cleaner.counts
     try:
-        with tempfile.TemporaryDirectory(prefix=".binarize.", dir=out_path.parent) as scratch, \
+        with dropped_output(dropped_path) as dropped, \
+                tempfile.TemporaryDirectory(prefix=".binarize.", dir=out_path.parent) as scratch, \
                 open_binary(src_path) as src_handle, open_binary(tgt_path) as tgt_handle, \
                 _maybe_open(alignments_path) as align_handle:
             writers = {side: _SideWriter(scratch, side) for side in SIDES}
@@ -231,13 +253,18 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
                 texts = {side: decode_chunk(raw[side], paths[side], stats.lines + 1, policy)
                          for side in SIDES}
                 del raw  # keep one chunk alive at a time: memory stays flat however long the corpus
-                encoded = {side: _encode_side(texts[side], vocabularies[side], threads)
+                encoded = {side: _encode_side(texts[side], vocabularies[side], threads,
+                                              source_tags if side == "src" else None)
                            for side in SIDES}
                 aligned = None if aligner is None else aligner.chunk(
                     raw_alignments, stats.lines + 1, texts,
                     {side: encoded[side][2] for side in SIDES}, vocabularies)
+                first_line = stats.lines + 1
+                reasons = _verdicts(encoded, max_len, stats, cleaner, texts)
+                if dropped is not None:
+                    dropped.write(reasons, texts, first_line)
                 del texts, raw_alignments
-                _append_kept(encoded, writers, max_len, stats, aligned, aligner)
+                _append_kept(encoded, writers, reasons == 0, aligned, aligner)
                 del encoded, aligned
                 stats.pairs = writers["src"].count
                 stats.src_tokens, stats.tgt_tokens = writers["src"].total, writers["tgt"].total
@@ -246,8 +273,10 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
             if stats.lines == 0:
                 raise AttnError(f"{display_name(src_path)} and {display_name(tgt_path)} are empty")
             if stats.pairs == 0:
+                cleaned = "".join(f", {count} by {name}" for name, count in stats.filtered.items())
                 raise AttnError(f"no pair left after dropping {stats.dropped_empty} with an empty "
-                                f"side and {stats.dropped_too_long} over {max_len} tokens")
+                                f"side and {stats.dropped_too_long} over {max_len} tokens"
+                                f"{cleaned}")
             tensors = writers["src"].close() + writers["tgt"].close()
             if aligner is not None:  # the 8-byte offsets first: every tensor stays aligned
                 align_offsets, align_pairs = aligner.close()
@@ -258,7 +287,10 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
                                             data=vocabulary.model_bytes)
                         for side, vocabulary in (("src", src_vocab), ("tgt", tgt_vocab))
                         if vocabulary is not None]
-            metadata = _data_metadata(stats, src_vocab, tgt_vocab, max_len, src_path, tgt_path)
+            metadata = _data_metadata(stats, src_vocab, tgt_vocab, max_len, src_path, tgt_path,
+                                      cleaning if cleaner is not None else None, langs)
+            if source_tags is not None:
+                metadata.update(source_tags.metadata)
             if aligner is not None:
                 metadata["alignments_file"] = Path(display_name(alignments_path)).name
                 metadata["alignment_pairs"] = str(aligner.total)
@@ -278,17 +310,28 @@ def _maybe_open(path):
         yield handle
 
 
-def _append_kept(encoded: dict, writers: dict, max_len: int, stats: BinarizeStats,
-                 aligned: list | None = None, aligner: _AlignmentWriter | None = None) -> None:
-    """A chunk's pairs to the side writers (and their alignments `aligned` to `aligner`), less
-    those with an empty side or a side over `max_len` subwords (counted in `stats`)."""
+def _verdicts(encoded: dict, max_len: int, stats: BinarizeStats, cleaner: Cleaner | None = None,
+              texts: dict | None = None) -> np.ndarray:
+    """Why each pair of a chunk is dropped (cleaning.REASONS; 0: kept): an empty side, a side
+    over `max_len` subwords, then `cleaner`'s filters (on `texts`); counted in `stats`."""
     lengths = {side: encoded[side][1] for side in SIDES}
     empty = (lengths["src"] == 0) | (lengths["tgt"] == 0)
     too_long = ~empty & ((lengths["src"] > max_len) | (lengths["tgt"] > max_len))
-    keep = ~(empty | too_long)
-    stats.lines += len(keep)
+    reasons = np.zeros(len(empty), dtype=np.uint8)
+    reasons[empty] = EMPTY
+    reasons[too_long] = TOO_LONG
+    stats.lines += len(reasons)
     stats.dropped_empty += int(empty.sum())
     stats.dropped_too_long += int(too_long.sum())
+    if cleaner is not None:
+        cleaner.judge(reasons, texts, encoded)
+    return reasons
+
+
+def _append_kept(encoded: dict, writers: dict, keep: np.ndarray, aligned: list | None = None,
+                 aligner: _AlignmentWriter | None = None) -> None:
+    """A chunk's pairs where `keep` to the side writers (and their alignments `aligned` to
+    `aligner`)."""
     for side in SIDES:
         flat_ids, side_lengths = encoded[side][:2]
         if not keep.all():
@@ -299,10 +342,13 @@ def _append_kept(encoded: dict, writers: dict, max_len: int, stats: BinarizeStat
 
 
 def _data_metadata(stats: BinarizeStats, src_vocab: Vocabulary, tgt_vocab: Vocabulary | None,
-                   max_len: int, src_path, tgt_path) -> dict[str, str]:
-    """What a data file says of itself: format, vocabularies, counts, special ids, sources."""
+                   max_len: int, src_path, tgt_path, cleaning: CleanOptions | None = None,
+                   langs: tuple[str, str] | None = None) -> dict[str, str]:
+    """What a data file says of itself: format, vocabularies, counts, special ids, sources; the
+    cleaning filters (`filters`, as CleanOptions.describe) and what each dropped (`dropped_NAME`),
+    and the language pair (`langs`, "en-de"), where given."""
     target = tgt_vocab or src_vocab
-    return {
+    metadata = {
         "format": DATA_FORMAT, "format_version": DATA_FORMAT_VERSION,
         "src_vocab_sha256": src_vocab.checksum,
         "tgt_vocab_sha256": target.checksum,
@@ -317,6 +363,13 @@ def _data_metadata(stats: BinarizeStats, src_vocab: Vocabulary, tgt_vocab: Vocab
         "src_file": Path(display_name(src_path)).name,
         "tgt_file": Path(display_name(tgt_path)).name,
     }
+    if cleaning is not None:
+        metadata["filters"] = cleaning.describe()
+        metadata.update({f"dropped_{name.replace('-', '_')}": str(count)
+                         for name, count in stats.filtered.items()})
+    if langs is not None:
+        metadata["langs"] = "-".join(langs)
+    return metadata
 
 
 class ParallelData:
@@ -381,3 +434,105 @@ class ParallelData:
             if self.metadata.get(key) != other.metadata.get(key):
                 raise AttnError(f"{other.path} was binarized with another vocabulary than "
                                 f"{self.path}: binarize both with the same --vocab")
+
+
+class Corpora:
+    """Several data files read as one (`attn train A.st B.st ...`): pair i of the whole is pair
+    i - starts[k] of file k, the files in the order given. It reads as a ParallelData does
+    (lengths, pairs, the vocabulary) for what batches them; one file is read as it always was
+    (its own lengths, alignments and path). The files must be made with the same vocabulary,
+    and may not record different target languages unless each carries its target tag
+    (`check_mixable`)."""
+
+    def __init__(self, paths: list[str | os.PathLike]):
+        self.parts = [ParallelData(path) for path in paths]
+        for part in self.parts:
+            if len(part) == 0:
+                raise AttnError(f"data file {part.path} holds no pairs: binarize a corpus "
+                                "into it, or leave it out")
+        check_mixable(self.parts)
+        first = self.parts[0]
+        # The first file speaks for all in what they share: the vocabulary (its path names
+        # it in messages about the vocabulary).
+        self.path, self.metadata = first.path, first.metadata
+        self.src_vocab, self.tgt_vocab = first.src_vocab, first.tgt_vocab
+        self.sizes = tuple(len(part) for part in self.parts)
+        self._starts = np.cumsum((0, *self.sizes[:-1]))
+        if len(self.parts) == 1:
+            self.src_lengths, self.tgt_lengths = first.src_lengths, first.tgt_lengths
+        else:
+            self.src_lengths = np.concatenate([part.src_lengths for part in self.parts])
+            self.tgt_lengths = np.concatenate([part.tgt_lengths for part in self.parts])
+        # --guided-alignment reads one file's alignments (train/start.check_data_options)
+        self.alignment_offsets = first.alignment_offsets if len(self.parts) == 1 else None
+        self.alignment_pairs = first.alignment_pairs if len(self.parts) == 1 else None
+
+    @property
+    def names(self) -> list[str]:
+        """Each file's name as a label (metrics.jsonl's per-corpus keys): its stem, with its
+        place in the order given (from 1) where two stems are the same."""
+        stems = [part.path.stem for part in self.parts]
+        return [stem if stems.count(stem) == 1 else f"{stem}-{place}"
+                for place, stem in enumerate(stems, start=1)]
+
+    @property
+    def has_alignments(self) -> bool:
+        return self.alignment_offsets is not None
+
+    @property
+    def shared_vocab(self) -> bool:
+        return self.tgt_vocab is None
+
+    def __len__(self) -> int:
+        return len(self.src_lengths)
+
+    def pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(self.parts) == 1:
+            return self.parts[0].pair(index)
+        part = int(np.searchsorted(self._starts, index, side="right")) - 1
+        return self.parts[part].pair(index - int(self._starts[part]))
+
+    def check_same_vocab(self, other: ParallelData) -> None:
+        self.parts[0].check_same_vocab(other)
+
+
+def language_pair(metadata: dict[str, str]) -> tuple[str, str] | None:
+    """The (source, target) languages a data file records (`attn binarize --langs en-fr`:
+    metadata "langs"), lower-cased; None where it records none (files made before it, or
+    without it)."""
+    source, _, target = metadata.get("langs", "").strip().lower().partition("-")
+    return (source, target) if source and target else None
+
+
+def target_tag(metadata: dict[str, str]) -> str | None:
+    """The target-language tag a data file's sources carry (metadata "target_tag"), if any."""
+    return metadata.get("target_tag") or None
+
+
+def check_mixable(parts: list[ParallelData]) -> None:
+    """Data files trained on together must share the vocabulary (the token ids mean the same
+    pieces), and must not ask for different target languages from the same sources: where two
+    record different targets, every file must carry its target tag, which tells the model which
+    one to write. Different source languages into one target are a many-to-one model, and
+    files that record no languages are taken at their word."""
+    first = parts[0]
+    for part in parts[1:]:
+        for key in ("src_vocab_sha256", "tgt_vocab_sha256"):
+            if part.metadata.get(key) != first.metadata.get(key):
+                side = key.partition("_")[0]
+                raise AttnError(f"{part.path} was binarized with another vocabulary than "
+                                f"{first.path} ({side} vocabulary sha256 "
+                                f"{str(part.metadata.get(key))[:12]} vs "
+                                f"{str(first.metadata.get(key))[:12]}): binarize every data "
+                                "file of a run with the same --vocab")
+    recorded = [(part, langs) for part in parts if (langs := language_pair(part.metadata))]
+    untagged = [part for part in parts if target_tag(part.metadata) is None]
+    for part, langs in recorded[1:]:
+        first_recorded, first_langs = recorded[0]
+        if langs[1] != first_langs[1] and untagged:
+            raise AttnError(f"{part.path} records the language pair {'-'.join(langs)} and "
+                            f"{first_recorded.path} {'-'.join(first_langs)}, and "
+                            f"{untagged[0].path} carries no target tag: corpora of different "
+                            "target languages need each its target tag (it tells the model "
+                            "which language to write); binarize them with one, or train them "
+                            "apart")

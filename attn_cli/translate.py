@@ -117,6 +117,8 @@ class DecodeOptions:
     constraint_search: str = "misses"
     workers: int = 1  # batches searched at once, each by its own thread
     worker_threads: int = 1  # torch threads of each of those
+    # Ids put before every source line: a target language's tag (`--target-lang`, tags.py).
+    source_tags: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in RANGES:
@@ -304,13 +306,23 @@ class Translator:
         view.stats, view._pool = DecodeStats(), None
         return view
 
+    def with_target(self, lang: str, where: str = "the model",
+                    option: str = "--target-lang") -> "Translator":
+        """The same models translating into `lang`: every source starts with its target tag
+        (tags.py: `<2fr>`, an OPUS-MT model's `>>fra<<`); one the vocabulary lacks is an
+        AttnError naming `where` (the model's file), `option` and the tags it has."""
+        return self.with_options(source_tags=target_tags(self.src_vocab, lang, where, option))
+
     def encode(self, lines: list[str], first_line: int, where: str = "decode",
                unit: str = "line") -> list[list[int]]:
-        """Source ids of each line, EOS appended, cut to the models' limit (`where` names the
-        lines' origin in the warning, `unit` what they are: lines, or sentences cut from them)."""
+        """Source ids of each line, after the options' `source_tags`, EOS appended, cut to the
+        models' limit (`where` names the lines' origin in the warning, `unit` what they are:
+        lines, or sentences cut from them)."""
         ids = self.src_vocab.encode(lines)
-        eos = self.config.eos_id
+        eos, tags = self.config.eos_id, self.options.source_tags
         for offset, sequence in enumerate(ids):
+            if tags:
+                sequence[:0] = tags
             if len(sequence) > self.max_source:
                 self.warn(f"{where}: {unit} {first_line + offset}: {len(sequence)} tokens, "
                           f"truncated to the model's limit of {self.max_source}")
@@ -522,6 +534,14 @@ class Translator:
         return [[pharaoh(next(aligned)) for _ in outputs] for outputs in printed]
 
 
+def target_tags(vocabulary, lang: str | None, where: str,
+                option: str = "--target-lang") -> tuple[int, ...]:
+    """The ids of target language `lang`'s tag in `vocabulary` (none for None)."""
+    from .tags import tag_ids
+
+    return tuple(tag_ids(vocabulary, lang, where=where, target_option=option))
+
+
 def model_langs(metadata: dict[str, str]) -> tuple[str, str] | None:
     """The model file's (source, target) language codes (its metadata's `langs`, "en-de"), or
     None where it names none, or not as SOURCE-TARGET."""
@@ -656,7 +676,8 @@ def search_workers(threads: int, workers: int, device: torch.device) -> tuple[in
 
 def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "auto",
                     dtype: str = "auto", threads: int = 0, workers: int = 0, warn=None,
-                    constraint_for=None, int8: bool = False, **options) -> Translator:
+                    constraint_for=None, int8: bool = False, target_lang: str | None = None,
+                    **options) -> Translator:
     """A model file (a list of them: an ensemble) made ready to decode: the device (auto: a GPU
     when torch sees one), the precision (auto: bf16 on CUDA, fp32 on a CPU), the CPU threads (0:
     every core), how many batches are searched side by side (0: auto) and, with `int8`, the
@@ -664,8 +685,9 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
     search settings of `DecodeOptions` (beam, alpha, max_len_a, max_len_b, nbest, batch_tokens,
     ...).
     `constraint_for(loaded model)`, if given, makes the search constraint's factory for that
-    model (`tree_search.tree_constraints`: parsing). This is what `attn decode` and `attn parse`
-    run; from Python:
+    model (`tree_search.tree_constraints`: parsing). `target_lang`: translate into that
+    language, every source starting with its tag (`Translator.with_target`). This is what
+    `attn decode` and `attn parse` run; from Python:
 
         translator = load_translator("model.st")
         translator.translate(["A man is riding a bike."])  # ["Ein Mann fährt Fahrrad."]
@@ -682,7 +704,9 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
     workers, worker_threads = search_workers(threads, workers, chosen)
     settings = dataclasses.replace(settings, workers=workers, worker_threads=worker_threads,
                                    batch_tokens=settings.batch_tokens or
-                                   search_batch_tokens(chosen))
+                                   search_batch_tokens(chosen),
+                                   source_tags=target_tags(loaded.src_vocab, target_lang,
+                                                           f"model file {paths[0]}"))
     return Translator(loaded, settings, chosen, inference_dtype(dtype, chosen), warn=warn,
                       constraint_for=constraint_for(loaded) if constraint_for else None,
                       ensemble=ensemble, int8=int8)

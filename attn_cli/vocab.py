@@ -20,6 +20,7 @@ from pathlib import Path
 from .errors import AttnError
 from .files import STRICT, Utf8Policy, atomic_output, check_readable, read_lines
 from .formats import BOS_ID, EOS_ID, PAD_ID, SPECIAL_PIECES, UNK_ID
+from .tags import opus_language_code
 
 
 def checksum(model_bytes: bytes) -> str:
@@ -109,11 +110,16 @@ class Vocabulary:
         return self.processor.get_piece_size() if self.pieces is None else len(self.pieces)
 
     def encode(self, lines: list[str], threads: int = 0) -> list[list[int]]:
+        """The ids of each line. With a piece list (an OPUS-MT model's), a line starting with
+        a language code `>>fra<<` starts with that piece, and SentencePiece cuts the rest, as
+        MarianTokenizer does (`tags.opus_language_code`)."""
         if self.pieces is None:
             return self.processor.encode(lines, num_threads=threads or -1)
         ids, unk = self._piece_ids, self._piece_ids["<unk>"]
-        return [[ids.get(piece, unk) for piece in line]
-                for line in self.processor.encode(lines, out_type=str, num_threads=threads or -1)]
+        codes, texts = zip(*map(opus_language_code, lines)) if lines else ((), ())
+        cut = self.processor.encode(list(texts), out_type=str, num_threads=threads or -1)
+        return [([ids.get(code, unk)] if code is not None else [])
+                + [ids.get(piece, unk) for piece in line] for code, line in zip(codes, cut)]
 
     def decode(self, ids: list[list[int]]) -> list[str]:
         """Text of each line of ids. A line at a time: SentencePiece's batch call starts a

@@ -80,8 +80,9 @@ def test_bad_interval():
         config.parse_interval("soon")
 
 
-# The `train` parameters that are no option of the run itself: they plan a --dry-run.
-PLANNING_ONLY = {"vocab_size", "nproc", "dry_run"}
+# The `train` parameters that are no option of the run itself: they plan a --dry-run, or say
+# where its metrics rows are also sent (train/live_logs.py; a resumed run may change them).
+PLANNING_ONLY = {"vocab_size", "nproc", "dry_run", "tensorboard", "wandb_project", "wandb_mode"}
 
 
 def test_every_train_option_is_a_parameter_of_the_train_command_and_back():

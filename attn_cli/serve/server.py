@@ -57,8 +57,10 @@ from .operations import Operations
 
 EXTRA = "pip install 'attn[serve]'"
 KERNEL_CACHE = 128  # oneDNN kernels kept (see `tune_process`)
-# -m SOURCE-TARGET=FILE: letters only on each side, so that a path is seldom taken for a pair.
-PAIRED_MODEL = re.compile(r"([A-Za-z]{2,8})-([A-Za-z]{2,8})=(.+)")
+# -m SOURCE-TARGET=FILE: letters only on each side, so that a path is seldom taken for a pair;
+# several pairs of one model as SOURCE-TARGET,SOURCE-TARGET=FILE.
+PAIR = r"[A-Za-z]{2,8}-[A-Za-z]{2,8}"
+PAIRED_MODEL = re.compile(rf"((?:{PAIR},)*{PAIR})=(.+)")
 
 
 class Model:
@@ -74,12 +76,16 @@ def model_groups(values: list[str], options: ServeOptions) -> list[tuple]:
     """`-m` values as the models of a server: (pair or None, files) each. `SOURCE-TARGET=FILE`
     serves FILE for that pair, and the same pair again makes an ensemble of its files (`attn
     decode`'s -m twice, per pair); plain FILEs are one model (an ensemble if several) whose
-    pair is --langs or its metadata's. A path that only looks like a pair is written ./en-de=x."""
+    pair is --langs or its metadata's. A path that only looks like a pair is written ./en-de=x.
+    `en-fr,en-de=multi.st` is `en-fr=multi.st -m en-de=multi.st`: a model of several target
+    languages (tags.py) served for each, the file loaded once (`Service.load`)."""
     paired, plain = {}, []
     for value in values:
         match = PAIRED_MODEL.fullmatch(value)
         if match:
-            paired.setdefault((match[1], match[2]), []).append(Path(match[3]))
+            for pair in match[1].split(","):
+                source, target = pair.split("-")
+                paired.setdefault((source, target), []).append(Path(match[2]))
         else:
             plain.append(Path(value))
     if paired and plain:
@@ -146,10 +152,13 @@ class Service:
                 from .detect import Detector
 
                 self.detector = Detector(sources)
+            loaded = {}  # the pairs of one file (or ensemble) share its loaded models
             for model in self.models:
-                translator = self._load(model.paths)
-                translator.search(translator.encode(["warm up"], 1))  # kernels made once, here
-                model.translator = translator
+                translator = loaded.get(tuple(model.paths))
+                if translator is None:
+                    translator = loaded[tuple(model.paths)] = self._load(model.paths)
+                    translator.search(translator.encode(["warm up"], 1))  # kernels made once
+                model.translator = translator = tagged(translator, model)
             options = translator.options
             # One queue for every model: its workers (as many as `attn decode` would run: the
             # cores, on a CPU) search whichever pair's lines wait first, never mixing models in
@@ -272,7 +281,11 @@ class Service:
         config = ModelConfig.from_json(model.metadata["config"])
         options = model.translator.options if model.translator is not None else None
         langs = model.served.langs
+        tags = {} if options is None or not options.source_tags else {
+            "source_tags": [model.translator.src_vocab.piece(index)
+                            for index in options.source_tags]}
         return {"id": model.served.id, "object": "model", "ready": model.translator is not None,
+                **tags,
                 "files": [str(path) for path in model.paths],
                 "source": langs[0] if langs else None, "target": langs[1] if langs else None,
                 "config": {key: getattr(config, key) for key in
@@ -288,6 +301,29 @@ class Service:
                            "max_beam": self.options.max_beam,
                            "max_request_tokens": self.options.max_request_tokens,
                            "request_timeout_s": self.options.request_timeout}}
+
+
+def tagged(translator, model: Model):
+    """The translator of a served pair: where the model knows target-language tags (tags.py), a
+    view whose sources start with the tag of the pair's target (`Translator.with_target`); a
+    model without them, as it is. A model of several targets served without a pair (or for a
+    target it has no tag for) is refused: its translations would be of no chosen language."""
+    from ..tags import vocabulary_tags
+
+    targets = vocabulary_tags(translator.src_vocab).targets
+    if not targets:
+        return translator
+    langs, path = model.served.langs, model.paths[0]
+    if langs is None:
+        example = ",".join(f"SOURCE-{code}" for code in sorted(targets)[:3])
+        raise AttnError(f"{path} translates into several languages (its target tags: "
+                        f"{', '.join(sorted(targets))}): serve it for each pair, "
+                        f"-m {example}={path}")
+    if langs[1] not in targets:
+        raise AttnError(f"{path} has no tag for {langs[1]}, the target of {'-'.join(langs)} "
+                        f"(its target tags: {', '.join(sorted(targets))}): serve it for the "
+                        "targets it knows")
+    return translator.with_target(langs[1])
 
 
 def _resolve(future, job) -> None:

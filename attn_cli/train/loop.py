@@ -53,7 +53,14 @@ from .distributed import (
 )
 from .guided import alignment_targets
 from .guided import check_options as check_guidance_options
-from .start import Start, announce, lock_run_directory, resumed_stream, start
+from .start import (
+    Start,
+    announce,
+    check_data_options,
+    lock_run_directory,
+    resumed_stream,
+    start,
+)
 from .validation import Validation
 
 
@@ -61,6 +68,7 @@ def train(options: TrainOptions, display: Display | None = None) -> Path | None:
     """Run (or resume) training; returns the last checkpoint written (None on other ranks).
     `display` shows progress and metrics rows on the main process."""
     check_guidance_options(options)
+    check_data_options(options)
     processes = start_processes(options.device, options.dist_timeout_minutes)
     lock, finished = None, False
     try:
@@ -94,6 +102,7 @@ def _train(options: TrainOptions, processes: Processes, display: Display) -> Pat
     step = run.point.step
     clock = _Clock(run.point.elapsed_seconds, step, run.recipe.save_every, options.max_time)
     window, last_checkpoint = _Window(), None
+    corpora = run.data.names if len(run.data.parts) > 1 else None
     display.start(run.recipe.max_steps, step)
     with StopRequest() as stop, contextlib.ExitStack() as cleanup:
         cleanup.callback(display.stop)
@@ -115,7 +124,8 @@ def _train(options: TrainOptions, processes: Processes, display: Display) -> Pat
             display.step(step, result.loss_sum / result.tgt_tokens, result.lr,
                          window.tgt / max(time.monotonic() - window.start, 1e-9))
             if step % options.log_every == 0 or result.votes.save:
-                row = window.row(step, result.lr, run.steps.position[0], clock.elapsed())
+                row = window.row(step, result.lr, run.steps.position[0], clock.elapsed(),
+                                 corpora)
                 checkpoint = _record(run, step, row, save=bool(result.votes.save), clock=clock)
                 last_checkpoint = checkpoint or last_checkpoint
                 window = _Window()
@@ -170,7 +180,7 @@ def _start(options: TrainOptions, processes: Processes, display: Display) -> _Ru
     ddp_model = wrap_for_ddp(begun.model, processes, options.grad_sync)
     if processes.is_main:
         announce(begun, options, plan, processes)
-    stream = resumed_stream(begun.data, plan, options.seed, begun.point, processes)
+    stream = resumed_stream(begun.data, begun.mix, plan, options.seed, begun.point, processes)
     on_gpu = processes.device.type == "cuda"
     steps = StepStream(stream, plan, processes.rank, ahead=on_gpu, pinned=on_gpu)
     votes = torch.zeros(3, dtype=torch.float64)
@@ -213,6 +223,9 @@ class StepResult:
     # their count (None: not guided)
     alignment_sum: float | None = None
     aligned: int | None = None
+    # several data files: the pairs and target tokens (EOS included) drawn from each
+    corpus_pairs: np.ndarray | None = None
+    corpus_tgt_tokens: np.ndarray | None = None
 
 
 def _step(run: _Run, step: int, votes: Callable[[], Votes]) -> StepResult:
@@ -263,7 +276,22 @@ def _step(run: _Run, step: int, votes: Callable[[], Votes]) -> StepResult:
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=not keep_buckets)
     return StepResult(loss_sum, nll_sum, tgt_tokens, src_tokens, lr, Votes(*summed),
-                      alignment_sum, None if aligned is None else round(aligned))
+                      alignment_sum, None if aligned is None else round(aligned),
+                      *_per_corpus(run, taken.micro_batches))
+
+
+def _per_corpus(run: _Run, micro_batches: list[np.ndarray]) -> tuple:
+    """(pairs, target tokens) a step drew from each data file, from every process's
+    micro-batches (each process has them all: nothing to communicate); (None, None) with one
+    data file."""
+    if len(run.data.parts) == 1:
+        return None, None
+    pairs = np.concatenate(micro_batches)
+    corpus = run.mix.corpus_of(pairs)
+    count = len(run.data.parts)
+    return (np.bincount(corpus, minlength=count),
+            np.bincount(corpus, weights=run.data.tgt_lengths[pairs] + 1,
+                        minlength=count).astype(np.int64))
 
 
 def dropout_seed(seed: int, step: int, micro_batch: int) -> int:
@@ -431,6 +459,8 @@ class _Window:
     start: float = field(default_factory=time.monotonic)
     alignment: float | None = None  # guided alignment: its cross-entropy sum
     aligned: int = 0  # and the target pieces it was summed over
+    corpus_pairs: np.ndarray | None = None  # several data files: drawn from each
+    corpus_tgt_tokens: np.ndarray | None = None
 
     def add(self, result: StepResult) -> None:
         self.loss, self.nll = self.loss + result.loss_sum, self.nll + result.nll_sum
@@ -438,14 +468,28 @@ class _Window:
         if result.alignment_sum is not None:
             self.alignment = (self.alignment or 0.0) + result.alignment_sum
             self.aligned += result.aligned
+        if result.corpus_pairs is not None:
+            self.corpus_pairs = result.corpus_pairs + (0 if self.corpus_pairs is None
+                                                       else self.corpus_pairs)
+            self.corpus_tgt_tokens = result.corpus_tgt_tokens + (
+                0 if self.corpus_tgt_tokens is None else self.corpus_tgt_tokens)
 
-    def row(self, step: int, lr: float, epoch: int, elapsed: float) -> dict:
+    def row(self, step: int, lr: float, epoch: int, elapsed: float,
+            corpora: list[str] | None = None) -> dict:
+        """The metrics row of the window; with several data files (`corpora`: their names,
+        Corpora.names), the pairs and target tokens drawn from each, as `pairs/NAME` and
+        `tgt_tokens/NAME` (flat numbers, grouped by name's prefix)."""
         seconds = max(time.monotonic() - self.start, 1e-9)
         row = {"step": step, "loss": self.loss / self.tgt, "nll": self.nll / self.tgt, "lr": lr,
                "tokens_per_s": self.tgt / seconds, "src_tokens_per_s": self.src / seconds,
                "epoch": epoch, "elapsed_s": elapsed}
         if self.alignment is not None:  # per aligned target piece: 0 is the reference itself
             row["alignment_loss"] = self.alignment / max(self.aligned, 1)
+        if corpora is not None and self.corpus_pairs is not None:
+            row.update({f"pairs/{name}": int(count)
+                        for name, count in zip(corpora, self.corpus_pairs)})
+            row.update({f"tgt_tokens/{name}": int(count)
+                        for name, count in zip(corpora, self.corpus_tgt_tokens)})
         return row
 
 

@@ -1,6 +1,7 @@
-"""What `attn train` shows: the progress display (a rich bar on a terminal, plain lines in logs)
-and the `--dry-run` report. Presentation only; loop.py calls the display through its
-`Display` protocol and knows nothing of how it looks."""
+"""What `attn train` shows: the progress display (a rich bar on a terminal, plain lines in logs,
+and the metrics rows sent on to TensorBoard or W&B: live_logs.py) and the `--dry-run` report.
+Presentation only; loop.py calls the display through its `Display` protocol and knows nothing of
+how it looks."""
 
 from __future__ import annotations
 
@@ -16,15 +17,30 @@ from ..data import ParallelData
 from ..errors import AttnError
 from ..model import Transformer
 from ..modelfile import init_config
+from .live_logs import LiveLogs
 
 
 class TrainingDisplay:
-    """A rich progress bar on a terminal; plain log lines otherwise (CI logs, files)."""
+    """A rich progress bar on a terminal; plain log lines otherwise (CI logs, files). Each
+    metrics row also goes to the `live_logs` (--tensorboard, --wandb), which the display opens
+    when the run starts (on the main process: the only display loop.py starts) and closes when
+    used as a context manager ends, however the run ended: loop.py stops the display before the
+    last checkpoint's validation row, which the logs must still receive."""
 
-    def __init__(self):
+    def __init__(self, live_logs: LiveLogs | None = None):
         self.live = None
+        self.live_logs = live_logs
+
+    def __enter__(self) -> TrainingDisplay:
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        if self.live_logs is not None:
+            self.live_logs.close(failed=error_type is not None)
 
     def start(self, total_steps: int, start_step: int) -> None:
+        if self.live_logs is not None:  # first: W&B's lines come before the bar
+            self.live_logs.start(start_step)
         if sys.stderr.isatty():
             from rich.console import Console
             from rich.progress import (
@@ -65,6 +81,8 @@ class TrainingDisplay:
             self.live.console.print(line)
         else:
             print(line, file=sys.stderr, flush=True)
+        if self.live_logs is not None:
+            self.live_logs.row(row)
 
 
 # ---------------------------------------------------------------------------- the dry-run report

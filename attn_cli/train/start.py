@@ -6,18 +6,21 @@ reads the data and builds the model itself, and they compare notes before the fi
 A resumed run equals the uninterrupted one because everything that decides the next step is in
 the checkpoint: the weights, Adam's moments, the schedule's start, the data position (epoch, and
 micro-batches used, cut as they were: `earlier_budgets`), and dropout seeded from the step.
+Several data files are drawn from by weight (`check_data_options`, batching.CorpusMix), each
+epoch's draw a function of the seed and the epoch: the data position is still (epoch, offset).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 import torch
 
 from .. import checkpoints
-from ..batching import BatchPlan, MicroBatchStream
+from ..batching import BatchPlan, CorpusMix, MicroBatchStream, corpus_mix
 from ..checkpoints import ResumePoint, ResumeState
 from ..config import (
     FREELY_CHANGED,
@@ -28,7 +31,7 @@ from ..config import (
     TrainOptions,
     get_preset,
 )
-from ..data import ParallelData
+from ..data import Corpora, ParallelData
 from ..devices import resolve_dtype
 from ..errors import AttnError
 from ..files import file_sha256
@@ -49,7 +52,7 @@ from .guided import guided_config
 class Start:
     """What a run starts with, the same on every process."""
 
-    data: ParallelData
+    data: Corpora  # the training data files, read as one
     valid: ParallelData | None
     dtype: str  # the forward pass's precision: fp32, bf16 or fp16
     model: Transformer
@@ -58,6 +61,7 @@ class Start:
     point: ResumePoint  # where it goes on from (step 0 for a new run)
     provenance: dict[str, str]  # what every checkpoint records besides the preset (--init)
     resumed: bool  # from a checkpoint of its own
+    mix: CorpusMix  # what each epoch draws from each data file
 
 
 def lock_run_directory(run_dir: Path, processes: Processes) -> checkpoints.RunLock | None:
@@ -89,13 +93,15 @@ def start(options: TrainOptions, processes: Processes) -> Start:
     resume_from = resume_step(run_dir, options.resume, processes)
     dtype = resolve_dtype(options.dtype, processes.device)
     # --init is read by new runs only: a resumed one goes on from its checkpoint
-    checksums = node_checksums({"data file": options.data, "validation file": options.valid,
+    checksums = node_checksums({**data_file_names(options), "validation file": options.valid,
                                 "init model file": options.init if resume_from is None
                                 else None}, processes)
     dropout = options.recipe().dropout
+    weights = check_data_options(options)
 
     def prepare() -> Start:
-        data = ParallelData(options.data)
+        data = Corpora(options.data_files)
+        mix = corpus_mix(data.sizes, weights)
         valid = ParallelData(options.valid) if options.valid else None
         if valid is not None:
             data.check_same_vocab(valid)
@@ -113,7 +119,7 @@ def start(options: TrainOptions, processes: Processes) -> Start:
             # the model file it was seeded from, as its checkpoint recorded it (--init may have
             # moved since; it is not read again)
             return Start(data, valid, dtype, model, optimizer, scaler, point,
-                         checkpoints.init_provenance(loaded), resumed=True)
+                         checkpoints.init_provenance(loaded), resumed=True, mix=mix)
         if options.init is not None:
             model, provenance = init_model(options.init, dropout, data, processes.device,
                                            checksums["init model file"])
@@ -122,7 +128,7 @@ def start(options: TrainOptions, processes: Processes) -> Start:
             config = guided_config(preset_config(options.preset, dropout, data), options, data)
             model, provenance = Transformer(config).to(processes.device), {}
         return Start(data, valid, dtype, model.train(), adam(model), scaler, ResumePoint(),
-                     provenance, resumed=False)
+                     provenance, resumed=False, mix=mix)
 
     return same_on_every_rank(processes, prepare,
                               lambda begun: rank_facts(options, begun, checksums))
@@ -140,12 +146,55 @@ def announce(begun: Start, options: TrainOptions, plan: BatchPlan, processes: Pr
             processes.log(f"resume: {torn}")
     what = (options.preset if "init" not in begun.provenance else
             f"fine-tuning {begun.provenance['init']} with {options.preset}'s recipe")
+    corpora = len(begun.data.parts)
     processes.log(f"{what}: {sum(p.numel() for p in begun.model.parameters()):,} parameters, "
-                  f"{len(begun.data)} training pairs, {begun.dtype} on {processes.device}")
+                  f"{len(begun.data)} training pairs"
+                  f"{f' in {corpora} data files' if corpora > 1 else ''}, {begun.dtype} on "
+                  f"{processes.device}")
+    if corpora > 1:
+        for line in begun.mix.describe([str(part.path) for part in begun.data.parts]):
+            processes.log(line)
     processes.log(plan.describe())
 
 
-def preset_config(preset: str, dropout: float, data: ParallelData) -> ModelConfig:
+def check_data_options(options: TrainOptions) -> list[Fraction] | None:
+    """--weights read against the data files (None: not given, each file weighs its size):
+    one positive number a file. Several files are drawn from by weight (batching.CorpusMix).
+    Weights are an option, not a file of corpora and weights: a Makefile composes them from its
+    own variables, nothing new is there to learn or to version, and a config file can come
+    later as another way to say the same."""
+    paths = options.data_files
+    if options.guided_alignment and len(paths) > 1:
+        raise AttnError(f"--guided-alignment reads the alignments of one data file, and "
+                        f"{len(paths)} are given ({', '.join(map(str, paths))}): binarize the "
+                        "corpora into one with --alignments")
+    if options.weights is None:
+        return None
+    texts = options.weights.split(",")
+    if len(texts) != len(paths):
+        raise AttnError(f"--weights {options.weights} gives {len(texts)} weight(s) for "
+                        f"{len(paths)} data file(s) ({', '.join(map(str, paths))}): give one "
+                        "a file, in their order")
+    weights = []
+    for text, path in zip(texts, paths):
+        try:
+            weight = Fraction(text.strip())
+        except (ValueError, ZeroDivisionError):  # nan, inf, words, 1/0
+            weight = None
+        if weight is None or weight <= 0:
+            raise AttnError(f"--weights {options.weights}: the weight of {path}, {text!r}, is "
+                            "not a positive number")
+        weights.append(weight)
+    return weights
+
+
+def data_file_names(options: TrainOptions) -> dict[str, Path]:
+    """Each training data file under the name the processes compare it by (its checksum)."""
+    return {"data file" if place == 1 else f"data file {place}": path
+            for place, path in enumerate(options.data_files, start=1)}
+
+
+def preset_config(preset: str, dropout: float, data: Corpora) -> ModelConfig:
     """The preset's network for the data's vocabulary, with the recipe's dropout."""
     return get_preset(preset).model_config(
         len(data.src_vocab), None if data.shared_vocab else len(data.tgt_vocab), dropout=dropout)
@@ -170,7 +219,7 @@ def rank_facts(options: TrainOptions, begun: Start, checksums: dict[str, str | N
     return {
         "options": {key: value for key, value in options.record().items()
                     if key not in PER_NODE_OPTIONS},
-        "data file": checksums["data file"],
+        **{name: checksums[name] for name in data_file_names(options)},
         "validation file": checksums["validation file"],
         "init model file": begun.provenance.get("init_sha256"),
         "resumed from": {"step": point.step, "epoch": point.epoch,
@@ -206,7 +255,7 @@ def node_checksums(paths: dict[str, Path | None], processes: Processes) -> dict[
 # ---------------------------------------------------------------------- fine-tuning: --init
 
 
-def init_model(init: Path, dropout: float, data: ParallelData, device: torch.device,
+def init_model(init: Path, dropout: float, data: Corpora, device: torch.device,
                init_sha256: str | None) -> tuple[Transformer, dict[str, str]]:
     """Fine-tuning: the network of the model file `init` (its config as it is, whatever fields
     it has, with the recipe's dropout) holding its weights, loaded strictly; and the provenance
@@ -222,8 +271,9 @@ def init_model(init: Path, dropout: float, data: ParallelData, device: torch.dev
     return model, {"init": str(init), "init_sha256": init_sha256 or file_sha256(init)}
 
 
-def check_init_vocabulary(init: Path, loaded: LoadedModel, data: ParallelData) -> None:
-    """The data must be in the model's pieces: the vocabularies' checksums must agree."""
+def check_init_vocabulary(init: Path, loaded: LoadedModel, data: Corpora) -> None:
+    """The data must be in the model's pieces: the vocabularies' checksums must agree (those
+    of the first data file, which every other shares: Corpora)."""
     for side, vocabulary in (("src", loaded.src_vocab), ("tgt", loaded.tgt_vocab)):
         binarized_with = data.metadata.get(f"{side}_vocab_sha256")
         if binarized_with != vocabulary.checksum:
@@ -315,7 +365,7 @@ def load(run_dir: Path, step: int, device: torch.device) -> tuple[LoadedModel, R
 
 
 def check_resume(loaded: LoadedModel, state: ResumeState, config: ModelConfig,
-                 data: ParallelData, options: TrainOptions, processes: Processes) -> None:
+                 data: Corpora, options: TrainOptions, processes: Processes) -> None:
     """Refuse a changed architecture (against `config`, the preset's) or vocabulary; say which
     options differ. A run seeded by --init (its checkpoints record the model file) has that
     file's architecture, not the preset's, and goes on with it whether or not --init is given
@@ -369,17 +419,18 @@ def restore(state: ResumeState, model: torch.nn.Module, optimizer: torch.optim.O
     return point
 
 
-def resumed_stream(data: ParallelData, plan: BatchPlan, seed: int, point: ResumePoint,
-                   processes: Processes) -> MicroBatchStream:
+def resumed_stream(data: Corpora, mix: CorpusMix, plan: BatchPlan, seed: int,
+                   point: ResumePoint, processes: Processes) -> MicroBatchStream:
     """The micro-batches from where the run stopped (a new run: from the start). Under another
     plan than the checkpoint's (another process count, --max-tokens or --batch-tokens) the run
     goes on from the same place in the data with the new plan's global batch, and says so."""
     saved = BatchPlan(**point.batch_plan) if point.batch_plan else None
     stream = MicroBatchStream(data, saved.max_tokens if saved else plan.max_tokens, seed,
-                              point.epoch, point.offset, point.earlier_budgets)
-    if stream.offset > stream.epoch_length:  # only with another data file than the run's
+                              point.epoch, point.offset, point.earlier_budgets, mix=mix)
+    if stream.offset > stream.epoch_length:  # only with other data files than the run's
+        where = ", ".join(str(part.path) for part in data.parts)
         processes.log(f"resume: the data position (epoch {stream.epoch}, batch "
-                      f"{stream.offset}) lies past the end of that epoch in {data.path} "
+                      f"{stream.offset}) lies past the end of that epoch in {where} "
                       f"({stream.epoch_length} batches): going on with epoch {stream.epoch + 1}")
         stream.next_epoch()
     if saved is not None and saved != plan:

@@ -158,7 +158,7 @@ def test_dry_run_prints_the_batch_plan():
 # ----------------------------------------------------------------------------------- end to end
 
 
-@pytest.mark.slow
+@pytest.mark.long  # 26 s on 2 cores: make test's margin (CI runs it after make test)
 def test_learns_to_reverse_sequences(tmp_path):
     """A tiny model learns a toy task (reverse a sequence of letters) through the real commands,
     trained, then averaged as §6.1 does: greedy outputs on sequences it never saw are their
