@@ -235,19 +235,11 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
             aligner = None if alignments_path is None else \
                 _AlignmentWriter(scratch, alignments_path, paths, max_len)
             while True:
-                raw = {"src": take_lines(src_handle, chunk_lines),
-                       "tgt": take_lines(tgt_handle, chunk_lines)}
-                if len(raw["src"]) != len(raw["tgt"]):
-                    raise _mismatch(src_path, tgt_path, src_handle, tgt_handle,
-                                    stats.lines + len(raw["src"]), stats.lines + len(raw["tgt"]))
-                raw_alignments = None
-                if aligner is not None:
-                    raw_alignments = take_lines(align_handle, chunk_lines)
-                    if len(raw_alignments) != len(raw["src"]):
-                        raise _mismatch(alignments_path, src_path, align_handle, src_handle,
-                                        stats.lines + len(raw_alignments),
-                                        stats.lines + len(raw["src"]),
-                                        " (--alignments needs one line per training pair)")
+                raw, raw_alignments = _take_chunk(
+                    {"src": src_handle, "tgt": tgt_handle},
+                    {"src": src_path, "tgt": tgt_path},
+                    None if aligner is None else (align_handle, alignments_path),
+                    chunk_lines, stats.lines)
                 if not raw["src"]:
                     break
                 texts = {side: decode_chunk(raw[side], paths[side], stats.lines + 1, policy)
@@ -270,23 +262,8 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
                 stats.src_tokens, stats.tgt_tokens = writers["src"].total, writers["tgt"].total
                 if progress:
                     progress(stats)
-            if stats.lines == 0:
-                raise AttnError(f"{display_name(src_path)} and {display_name(tgt_path)} are empty")
-            if stats.pairs == 0:
-                cleaned = "".join(f", {count} by {name}" for name, count in stats.filtered.items())
-                raise AttnError(f"no pair left after dropping {stats.dropped_empty} with an empty "
-                                f"side and {stats.dropped_too_long} over {max_len} tokens"
-                                f"{cleaned}")
-            tensors = writers["src"].close() + writers["tgt"].close()
-            if aligner is not None:  # the 8-byte offsets first: every tensor stays aligned
-                align_offsets, align_pairs = aligner.close()
-                tensors = [align_offsets, *tensors, align_pairs]
-                stats.alignment_pairs = aligner.total
-            tensors += [stfile.TensorSource(vocab_tensor(side), np.dtype(np.uint8),
-                                            (len(vocabulary.model_bytes),),
-                                            data=vocabulary.model_bytes)
-                        for side, vocabulary in (("src", src_vocab), ("tgt", tgt_vocab))
-                        if vocabulary is not None]
+            _check_some_kept(stats, src_path, tgt_path, max_len)
+            tensors = _data_tensors(writers, aligner, stats, src_vocab, tgt_vocab)
             metadata = _data_metadata(stats, src_vocab, tgt_vocab, max_len, src_path, tgt_path,
                                       cleaning if cleaner is not None else None, langs)
             if source_tags is not None:
@@ -299,6 +276,51 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
     except OSError as error:  # a full disk, a quota, a read-only file system
         raise cannot_write(out_path, error) from None
     return stats
+
+
+def _data_tensors(writers: dict, aligner, stats: BinarizeStats, src_vocab: Vocabulary,
+                  tgt_vocab: Vocabulary | None) -> list:
+    """The data file's tensors: each side's ids and offsets, the alignments (if any) and the
+    vocabularies' models."""
+    tensors = writers["src"].close() + writers["tgt"].close()
+    if aligner is not None:  # the 8-byte offsets first: every tensor stays aligned
+        align_offsets, align_pairs = aligner.close()
+        tensors = [align_offsets, *tensors, align_pairs]
+        stats.alignment_pairs = aligner.total
+    return tensors + [stfile.TensorSource(vocab_tensor(side), np.dtype(np.uint8),
+                                          (len(vocabulary.model_bytes),),
+                                          data=vocabulary.model_bytes)
+                      for side, vocabulary in (("src", src_vocab), ("tgt", tgt_vocab))
+                      if vocabulary is not None]
+
+
+def _take_chunk(handles: dict, paths: dict, alignments: tuple | None, chunk_lines: int,
+                lines_before: int) -> tuple[dict, list | None]:
+    """The next `chunk_lines` raw lines of each side (and of the alignments, `alignments`:
+    (handle, path)), or the error of files whose line counts differ."""
+    raw = {side: take_lines(handles[side], chunk_lines) for side in SIDES}
+    if len(raw["src"]) != len(raw["tgt"]):
+        raise _mismatch(paths["src"], paths["tgt"], handles["src"], handles["tgt"],
+                        lines_before + len(raw["src"]), lines_before + len(raw["tgt"]))
+    if alignments is None:
+        return raw, None
+    handle, path = alignments
+    raw_alignments = take_lines(handle, chunk_lines)
+    if len(raw_alignments) != len(raw["src"]):
+        raise _mismatch(path, paths["src"], handle, handles["src"],
+                        lines_before + len(raw_alignments), lines_before + len(raw["src"]),
+                        " (--alignments needs one line per training pair)")
+    return raw, raw_alignments
+
+
+def _check_some_kept(stats: BinarizeStats, src_path, tgt_path, max_len: int) -> None:
+    """A data file needs a pair: the error of empty inputs, or of every pair dropped."""
+    if stats.lines == 0:
+        raise AttnError(f"{display_name(src_path)} and {display_name(tgt_path)} are empty")
+    if stats.pairs == 0:
+        cleaned = "".join(f", {count} by {name}" for name, count in stats.filtered.items())
+        raise AttnError(f"no pair left after dropping {stats.dropped_empty} with an empty "
+                        f"side and {stats.dropped_too_long} over {max_len} tokens{cleaned}")
 
 
 @contextlib.contextmanager

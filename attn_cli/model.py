@@ -182,17 +182,24 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(context.transpose(1, 2).reshape(rows, length, -1))
 
 
-def attention_weights(queries: Tensor, keys_t: Tensor, mask: Tensor | None = None,
-                      causal: bool = False) -> Tensor:
-    """§3.2.1's softmax(Q K^T / sqrt(d_k)) in float32, (..., Lq, Lk): what each query attends
-    to. `mask` is added to the scores (0 or -inf); `causal`: query i sees keys 0..i only."""
+def attention_scores(queries: Tensor, keys_t: Tensor, mask: Tensor | None = None,
+                     causal: bool = False) -> Tensor:
+    """Q K^T / sqrt(d_k) in float32, (..., Lq, Lk), `mask` added (0 or -inf) and, `causal`,
+    each query i's keys after i at -inf: what the softmax of §3.2.1 takes."""
     scores = torch.matmul(queries, keys_t).float() * queries.shape[-1] ** -0.5
     if mask is not None:
         scores = scores + mask
     if causal:
         above = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
         scores = scores.masked_fill(above, -math.inf)
-    return scores.softmax(dim=-1)
+    return scores
+
+
+def attention_weights(queries: Tensor, keys_t: Tensor, mask: Tensor | None = None,
+                      causal: bool = False) -> Tensor:
+    """§3.2.1's softmax(Q K^T / sqrt(d_k)) in float32, (..., Lq, Lk): what each query attends
+    to. `mask` is added to the scores (0 or -inf); `causal`: query i sees keys 0..i only."""
+    return attention_scores(queries, keys_t, mask, causal).softmax(dim=-1)
 
 
 def log_attention_weights(queries: Tensor, keys_t: Tensor, mask: Tensor | None = None,
@@ -200,13 +207,7 @@ def log_attention_weights(queries: Tensor, keys_t: Tensor, mask: Tensor | None =
     """log softmax(Q K^T / sqrt(d_k)) in float32, (..., Lq, Lk), as `attention_weights` takes
     its arguments: the log-probabilities a cross-entropy with them needs, without the log of a
     softmax that underflowed."""
-    scores = torch.matmul(queries, keys_t).float() * queries.shape[-1] ** -0.5
-    if mask is not None:
-        scores = scores + mask
-    if causal:
-        above = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
-        scores = scores.masked_fill(above, -math.inf)
-    return scores.log_softmax(dim=-1)
+    return attention_scores(queries, keys_t, mask, causal).log_softmax(dim=-1)
 
 
 def attention_written_out(queries: Tensor, keys_t: Tensor, values: Tensor,
