@@ -134,9 +134,11 @@ def clamped(words: list[int], count: int) -> list[int]:
 def align(model, sources: list[list[int]], outputs: list[list[int]],
           source_words: list[list[int]], output_words: list[list[int]],
           layer: int | None = None, heads: Sequence[int] | None = None,
-          sentences_per_pass: int = 32) -> list[Alignment]:
+          sentences_per_pass: int = 32, tags: int = 0) -> list[Alignment]:
     """Each pair's alignment: `sources` and `outputs` the ids (no BOS, no EOS, neither empty),
-    `source_words` and `output_words` the word of each id (`piece_words`)."""
+    `source_words` and `output_words` the word of each id (`piece_words`). `tags`: how many
+    ids every source starts with that are no word of it (tags.py's target-language tags, which
+    `source_words` counts as -1): never aligned."""
     import torch  # not before: the markup that counts words needs no torch
 
     from .batching import collate_pairs
@@ -151,6 +153,7 @@ def align(model, sources: list[list[int]], outputs: list[list[int]],
         with torch.inference_mode():
             attention = alignment_attention(model, batch.src_tokens, batch.tgt_input, layer,
                                             heads)
+            attention[:, :, :tags] = -math.inf
             nearest = attention.argmax(dim=-1).tolist()  # (B, T): the one read of the batch
         for offset, row in enumerate(nearest):
             found.append(word_pairs(row, source_words[start + offset],
@@ -166,10 +169,13 @@ def source_pieces(vocab, line: str) -> list[str]:
 
 def align_lines(model, src_vocab, tgt_vocab, lines: list[str], outputs: list[list[int]],
                 max_source: int, layer: int | None = None,
-                heads: Sequence[int] | None = None) -> list[Alignment]:
+                heads: Sequence[int] | None = None,
+                source_tags: Sequence[int] = ()) -> list[Alignment]:
     """The alignment of each line with its output `outputs[i]` (output ids, as a search's
     `Hypothesis.tokens`): pairs over the words of the line and of the output's text (what
-    `tgt_vocab.decode` makes of it). An empty line or output aligns nothing."""
+    `tgt_vocab.decode` makes of it). An empty line or output aligns nothing. `source_tags`:
+    the ids the search put before each line (`--target-lang`'s tag), attended to, aligned with
+    nothing."""
     found: list[Alignment] = [[] for _ in lines]
     texts = tgt_vocab.decode(outputs)
     encoded = src_vocab.encode(lines)
@@ -182,13 +188,14 @@ def align_lines(model, src_vocab, tgt_vocab, lines: list[str], outputs: list[lis
         ids, pieces = encoded[i], source_pieces(src_vocab, lines[i])
         if len(pieces) != len(ids):  # a vocabulary whose pieces are not spm's own: by id
             pieces = [src_vocab.piece(token) for token in ids]
-        sources.append(ids[:max_source])  # as the search saw it
-        source_words.append(clamped(piece_words(pieces[:max_source]),
-                                    len(word_spans(lines[i]))))
+        kept = max_source - len(source_tags)
+        sources.append([*source_tags, *ids[:kept]])  # as the search saw it
+        source_words.append([-1] * len(source_tags) + clamped(piece_words(pieces[:kept]),
+                                                              len(word_spans(lines[i]))))
         out_words = piece_words([tgt_vocab.piece(token) for token in outputs[i]])
         output_words.append(clamped(out_words, len(word_spans(texts[i]))))
     aligned = align(model, sources, [outputs[i] for i in todo], source_words, output_words,
-                    layer, heads)
+                    layer, heads, tags=len(source_tags))
     for i, alignment in zip(todo, aligned):
         found[i] = alignment
     return found

@@ -65,11 +65,12 @@ def recording_render(translator, writer: "AttentionWriter"):
     model = translator.model.models[0] if isinstance(translator.model, Ensemble) \
         else translator.model
     src_vocab, tgt_vocab = translator.src_vocab, translator.tgt_vocab
-    eos = translator.config.eos_id
+    eos, tags = translator.config.eos_id, translator.options.source_tags
 
     def render(index, line, hypotheses):
         if line.strip():
-            source = src_vocab.encode([line])[0][:translator.max_source]
+            # as the search saw it: after --target-lang's tag, cut to the model's limit
+            source = [*tags, *src_vocab.encode([line])[0]][:translator.max_source]
             output = hypotheses[0].tokens
             maps = attention_maps(model, [source], [output])[0]
             pieces = [src_vocab.piece(i) for i in source + [eos]]

@@ -305,8 +305,7 @@ def binarize(
         tgt_vocab = Vocabulary.from_file(tgt_vocab_path) if tgt_vocab_path else None
     from .tags import binarize_tags
 
-    source_tags = binarize_tags(src_vocab, target_tag, [tag] if tag else [], str(vocab_path),
-                                alignments is not None)
+    source_tags = binarize_tags(src_vocab, target_tag, [tag] if tag else [], str(vocab_path))
     policy = _utf8_policy(strict=not replace_invalid)
     stats = binarize_corpus(src, tgt, output, src_vocab, tgt_vocab, max_len=max_len,
                             threads=threads, policy=policy, alignments_path=alignments,
@@ -524,6 +523,51 @@ def average(
     log(f"average: wrote {output}, the mean of {len(chosen)} checkpoint(s)")
 
 
+@app.command()
+def shortlist(
+    data_path: Path = typer.Argument(..., metavar="DATA.st", help="Training data from `attn "
+                                     "binarize` (the model's vocabularies)."),
+    output: Path = typer.Option(..., "-o", "--output", help="The shortlist file (.st)."),
+    best: int = typer.Option(20, "--best", min=1, help="Target pieces kept per source piece: "
+                             "its most probable translations."),
+    frequent: int = typer.Option(100, "--frequent", min=0, help="The most frequent target "
+                                 "pieces, kept for every batch (with </s> and <unk>)."),
+    threshold: float = typer.Option(0.01, "--threshold", min=0.0, max=1.0, help="Keep a "
+                                    "translation only this probable or more."),
+    iterations: int = typer.Option(5, "--iterations", min=1, help="EM rounds of IBM model 1."),
+    max_pairs: int = typer.Option(1_000_000, "--max-pairs", min=1, help="Learn from at most "
+                                  "this many pairs, a uniform sample."),
+    seed: int = typer.Option(1, "--seed", help="Seed of that sample."),
+    vmap: Optional[Path] = typer.Option(
+        None, "--vmap", help="Also write the shortlist as CTranslate2's vocabulary map "
+        "(`ct2-*-converter --vocab_mapping`, `translate_batch(use_vmap=True)`)."),
+) -> None:
+    """A vocabulary shortlist for `attn decode --shortlist` (Marian's lexical shortlist): each
+    source piece's most probable target pieces by IBM model 1, learned from a data file."""
+    from .data import ParallelData
+    from .files import atomic_output
+    from .shortlist import build, ibm_model1
+
+    started = time.perf_counter()
+    data = ParallelData(data_path)
+    log(f"shortlist: IBM model 1 over {min(len(data), max_pairs)} of {len(data)} pairs of "
+        f"{data_path}")
+    table = ibm_model1(data, iterations, max_pairs, seed,
+                       progress=lambda message: log(f"shortlist: {message}"))
+    made = build(table, data, best, frequent, threshold)
+    made.save(output)
+    kept = made.candidates >= 0
+    log(f"shortlist: wrote {output}: {int(kept.any(axis=1).sum())} source pieces with "
+        f"{kept.sum(axis=1)[kept.any(axis=1)].mean():.1f} candidates each, {len(made.always)} "
+        f"always kept, in {time.perf_counter() - started:.1f}s")
+    if vmap is not None:
+        tgt_vocab = data.tgt_vocab or data.src_vocab
+        with atomic_output(vmap, "w") as handle:
+            for line in made.vmap_lines(data.src_vocab, tgt_vocab):
+                handle.write(line + "\n")
+        log(f"shortlist: wrote {vmap} (CTranslate2's vocabulary map)")
+
+
 def _text_stdout():
     """stdout as UTF-8 text with "\n" line ends, whatever the locale."""
     import io
@@ -621,6 +665,11 @@ def decode(
         None, "--ban", help="A file of phrases no output may hold, one per line (target "
         "text, as its vocabulary pieces: CTranslate2's suppress_sequences); `#` lines and "
         "blank ones skipped."),
+    shortlist_path: Optional[Path] = typer.Option(
+        None, "--shortlist", help="A vocabulary shortlist from `attn shortlist`: each "
+        "batch's output projection and softmax over its source pieces' likely translations "
+        "and the frequent pieces only (faster; outputs may differ). Prefix and constraint "
+        "pieces are always kept."),
     alignment: bool = typer.Option(
         False, "--alignment", help="After each output a TAB and its word alignment as Pharaoh "
         "pairs `i-j` (source word i, output word j, from 0, over the whitespace words of the "
@@ -669,6 +718,10 @@ def decode(
         if note:
             log(f"decode: warning: {note}")
     use_controls(translator, glossary, ban)
+    if shortlist_path is not None:
+        from .translate import use_shortlist
+
+        use_shortlist(translator, shortlist_path)
     loaded_in = time.perf_counter() - started
     log(f"decode: model loaded in {loaded_in:.2f}s")
     render = None
@@ -805,6 +858,9 @@ def serve(
         "language."),
     ban: Optional[Path] = typer.Option(
         None, "--ban", help="`attn decode --ban`'s phrases, kept out of every output."),
+    shortlist_path: Optional[Path] = typer.Option(
+        None, "--shortlist", help="`attn decode --shortlist`'s vocabulary shortlist, for every "
+        "model (each must have the vocabularies it was made with)."),
 ) -> None:
     """Translate over HTTP with the models kept loaded (pip install 'attn[serve]'): POST
     /v1/translate, GET /v1/models, GET /health, and LibreTranslate's POST /translate (texts cut
@@ -837,15 +893,22 @@ def serve(
         from .files import check_readable
 
         check_readable(ban, "ban file")
+    shortlist = None
+    if shortlist_path is not None:
+        from .shortlist import Shortlist
+
+        shortlist = Shortlist.load(shortlist_path)
 
     def load(files: list[Path]):
-        from .translate import load_translator, use_controls
+        from .translate import load_translator, use_controls, use_shortlist
 
         translator = load_translator(files, beam, device=device.value, dtype=dtype.value,
                                      threads=threads, workers=workers, warn=log, alpha=alpha,
                                      max_len_a=max_len_a, max_len_b=max_len_b, stop=stop,
                                      batch_tokens=batch_tokens, int8=int8)
         use_controls(translator, terms, ban)
+        if shortlist is not None:
+            use_shortlist(translator, shortlist, shortlist_path)
         _collector_on(loaded=True)
         return translator
 
@@ -892,6 +955,10 @@ def score(
     model_path: Optional[List[Path]] = typer.Option(None, "-m", "--model", help="Force-decode "
                                                     "SRC TGT with this model: per-line "
                                                     "log-probs (-m again: an ensemble)."),
+    target_lang: Optional[str] = typer.Option(
+        None, "--target-lang", metavar="CODE", help="With -m and a model of several target "
+        "languages: each source starts with this language's tag, as `attn decode "
+        "--target-lang` translates."),
     metrics: str = typer.Option("bleu,chrf", "--metrics", help="Comma-separated: bleu, chrf, "
                                 "ter."),
     tokenize: Tokenizer = typer.Option(Tokenizer("13a"), "--tokenize", help="BLEU tokenizer: "
@@ -928,6 +995,8 @@ def score(
     F1 of trees."""
     files = files or []
     as_json = output_format == OutputFormat.json
+    if target_lang is not None and (not model_path or trees):
+        raise AttnError("--target-lang goes with -m MODEL SRC TGT")
     if trees:
         if ref is None or len(files) > 1:
             raise AttnError("score --trees takes --ref GOLD and one file of trees (or stdin)")
@@ -944,7 +1013,8 @@ def score(
         from .scoring import score_files_with_model
 
         forced = score_files_with_model(model_path, files[0], files[1], device.value,
-                                        dtype.value, batch_tokens, threads, _utf8_policy(strict))
+                                        dtype.value, batch_tokens, threads, _utf8_policy(strict),
+                                        target_lang, log)
         _write_lines(forced.lines(as_json))
         log(forced.summary())
     else:

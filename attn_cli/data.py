@@ -129,8 +129,9 @@ class _AlignmentWriter:
     """`binarize --alignments`: each kept pair's Pharaoh word alignment as piece pairs, appended
     to temporary files (memory does not grow), in the data file's layout (module docstring)."""
 
-    def __init__(self, directory: str, path, corpus: dict, max_len: int):
-        self.path, self.corpus = path, corpus
+    def __init__(self, directory: str, path, corpus: dict, max_len: int, leading: int = 0):
+        # `leading`: the tag pieces before each source (`--target-tag`, `--tag`), no word's
+        self.path, self.corpus, self.leading = path, corpus, leading
         self.dtype = np.dtype("<i2") if max_len < 2 ** 15 else np.dtype("<i4")
         self.pairs_path = Path(directory) / ALIGNMENT_PAIRS
         self.offsets_path = Path(directory) / ALIGNMENT_OFFSETS
@@ -148,6 +149,8 @@ class _AlignmentWriter:
         from .alignment import clamped, piece_pairs, piece_words, read_pharaoh, word_spans
 
         lines = decode_chunk(raw_lines, self.path, first_line_number, STRICT)
+        if self.leading:  # the words are the line's: its pieces without the tags first
+            ids = {**ids, "src": [line_ids[self.leading:] for line_ids in ids["src"]]}
         pieces = {side: _pieces(vocabularies[side], texts[side], ids[side]) for side in SIDES}
         found = []
         for offset, line in enumerate(lines):
@@ -162,6 +165,8 @@ class _AlignmentWriter:
                 continue
             owners = {side: clamped(piece_words(pieces[side][offset]), words[side])
                       for side in SIDES}
+            # the tags own no word (-1): the piece pairs count them, aligning them nothing
+            owners["src"] = [-1] * self.leading + owners["src"]
             found.append(piece_pairs(word_pairs, owners["src"], owners["tgt"]))
         return found
 
@@ -233,7 +238,8 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
                 _maybe_open(alignments_path) as align_handle:
             writers = {side: _SideWriter(scratch, side) for side in SIDES}
             aligner = None if alignments_path is None else \
-                _AlignmentWriter(scratch, alignments_path, paths, max_len)
+                _AlignmentWriter(scratch, alignments_path, paths, max_len,
+                                 0 if source_tags is None else len(source_tags.ids))
             while True:
                 raw, raw_alignments = _take_chunk(
                     {"src": src_handle, "tgt": tgt_handle},

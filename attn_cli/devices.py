@@ -174,6 +174,9 @@ def inference_model(model: Transformer, device: torch.device, dtype: str = "fp32
         pack_linears(prepared)
     elif linears == "int8":
         int8_linears(prepared)
+        # a shortlist's rows quantized as the whole projection's are (each row on its own):
+        # the same int8 rows (`model.Transformer.output_subset`)
+        prepared.output_projection.for_rows = int8_linear
     return prepared
 
 
@@ -197,6 +200,11 @@ class PackedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, self.activation,
                                                   [], "")
+
+    def for_rows(self, weight: Tensor, bias: Tensor | None) -> "PackedLinear":
+        """A packed layer of the same kind for another weight (the rows of a vocabulary
+        shortlist: `model.OutputSubset`)."""
+        return PackedLinear(weight, bias, self.activation)
 
 
 class PackedFeedForward(nn.Module):
@@ -234,6 +242,18 @@ def pack_linears(module: nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------- CPU inference: int8
+
+
+def int8_linear(weight: Tensor, bias: Tensor | None) -> nn.Module:
+    """x W^T + b as `int8_linears` makes it of an nn.Linear with this weight and bias."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    holder = nn.Sequential(layer)
+    int8_linears(holder)
+    return holder[0]
 
 
 def int8_linears(module: nn.Module) -> None:

@@ -59,8 +59,8 @@ class Ensemble:
         encoded = [model.encode(src_tokens) for model in self.models]
         return encoded, encoded[0][1]
 
-    def start_decoding(self, memory, src_mask) -> "EnsembleCache":
-        return EnsembleCache(tuple(model.start_decoding(*encoded)
+    def start_decoding(self, memory, src_mask, output_ids=None) -> "EnsembleCache":
+        return EnsembleCache(tuple(model.start_decoding(*encoded, output_ids)
                                    for model, encoded in zip(self.models, memory)))
 
     def decode_step(self, tokens: torch.Tensor, cache: "EnsembleCache"):

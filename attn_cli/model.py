@@ -374,7 +374,8 @@ class DecoderCache:
     reordering is lazy, done by the next step as it appends its position. step: t.
     buffers: per layer, the two flat buffers self_kv's keys and values are views of; spare:
     the two a step before held, which the next step writes into (each step reads one pair and
-    writes the other, in memory already touched).
+    writes the other, in memory already touched). output: the projection over a vocabulary
+    shortlist of the batch (`OutputSubset`; None: the whole vocabulary).
     """
 
     src_mask: Tensor
@@ -384,6 +385,7 @@ class DecoderCache:
     self_rows: Tensor | None = None
     buffers: tuple[tuple[Tensor, Tensor], ...] | None = None
     spare: tuple[tuple[Tensor, Tensor], ...] | None = None
+    output: "OutputSubset | None" = None
 
     def reorder(self, rows: Tensor, sources: Tensor | None = None) -> "DecoderCache":
         """Continue hypothesis rows `rows` (N',) (beam reordering, expanding to beams) of the
@@ -397,6 +399,26 @@ class DecoderCache:
                           for k, v in self.memory_kv)
         return dataclasses.replace(self, src_mask=self.src_mask.index_select(0, sources),
                                    memory_kv=memory_kv, self_rows=rows)
+
+
+class OutputSubset:
+    """The output projection over some target ids only, a vocabulary shortlist (Marian's
+    lexical shortlist, CTranslate2's vocabulary map; not in the paper): the logits of those
+    ids alone, column c for id ids[c], so that the softmax normalises over the shortlist and
+    the search never picks outside it. The rows of the projection are taken once per batch,
+    and the step multiplies by those alone: for a small model the output projection is the
+    largest matmul of a decoder step (V x D against ~12 D^2 for the layers)."""
+
+    def __init__(self, ids: Tensor, weight: Tensor, bias: Tensor | None,
+                 projection: nn.Module | None = None):
+        self.ids = ids
+        self.weight, self.bias, self.projection = weight, bias, projection
+
+    def __call__(self, hidden: Tensor) -> Tensor:
+        """hidden (N, D) → logits (N, len(ids))."""
+        if self.projection is not None:
+            return self.projection(hidden)
+        return F.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
 
 
 class Embedding(nn.Embedding):
@@ -584,9 +606,12 @@ class Transformer(nn.Module):
             return (*sums, alignment_loss(head.log_weights, *alignment))
         return self.output_logits(hidden)
 
-    def start_decoding(self, memory: Tensor, src_mask: Tensor) -> DecoderCache:
+    def start_decoding(self, memory: Tensor, src_mask: Tensor,
+                       output_ids: Tensor | None = None) -> DecoderCache:
         """Encoder-decoder keys/values for every decoder layer, computed once per source batch,
-        and empty self-attention caches."""
+        and empty self-attention caches; with `output_ids` (sorted target ids, a vocabulary
+        shortlist), every step's logits are those of these ids alone, (N, len(output_ids))
+        (`output_subset`)."""
         batch, heads = memory.shape[0], self.config.heads
         empty_k = memory.new_zeros(batch, heads, 0, self.config.d_k)
         empty_v = memory.new_zeros(batch, heads, 0, self.config.d_v)
@@ -594,11 +619,25 @@ class Transformer(nn.Module):
             src_mask=src_mask,
             memory_kv=tuple(layer.cross_attn.memory_for_steps(memory)
                             for layer in self.decoder_layers),
-            self_kv=tuple((empty_k, empty_v) for _ in self.decoder_layers))
+            self_kv=tuple((empty_k, empty_v) for _ in self.decoder_layers),
+            output=None if output_ids is None else self.output_subset(output_ids))
+
+    def output_subset(self, ids: Tensor) -> OutputSubset:
+        """The output projection's rows `ids`, as `step_logits` computes them: in float32 on a
+        GPU; on a CPU in the model's precision, through the same kind of layer as the whole
+        projection (`for_rows`: oneDNN's packed layout, int8's rows) or dense."""
+        weight = self.tgt_embed.weight.index_select(0, ids)
+        bias = None if self.output_bias is None else self.output_bias.index_select(0, ids)
+        if weight.device.type == "cuda":
+            weight, bias = weight.float(), None if bias is None else bias.float()
+        for_rows = getattr(self.output_projection, "for_rows", None)
+        return OutputSubset(ids, weight, bias,
+                            for_rows(weight, bias) if for_rows is not None else None)
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache) -> tuple[Tensor, DecoderCache]:
-        """One incremental step: tokens (N,) at position cache.step → logits (N, V), new cache.
-        N is a multiple of the cache's source sentences (see `DecoderCache`)."""
+        """One incremental step: tokens (N,) at position cache.step → logits (N, V) (with a
+        shortlist, (N, len(its ids))), new cache. N is a multiple of the cache's source
+        sentences (see `DecoderCache`)."""
         x = self.embed(self.tgt_embed, tokens[:, None], start=cache.step)  # (B, 1, D)
         grown, buffers = [], []
         spares = cache.spare or [(None, None)] * len(self.decoder_layers)
@@ -610,7 +649,8 @@ class Transformer(nn.Module):
             buffers.append(buffer)
         if self.config.norm == "pre":
             x = self.decoder_norm(x)
-        return self.step_logits(x[:, 0]), DecoderCache(
+        logits = self.step_logits(x[:, 0]) if cache.output is None else cache.output(x[:, 0])
+        return logits, DecoderCache(
             cache.src_mask, cache.memory_kv, tuple(grown), cache.step + 1,
-            buffers=tuple(buffers), spare=cache.buffers)
+            buffers=tuple(buffers), spare=cache.buffers, output=cache.output)
 

@@ -183,33 +183,45 @@ class ForcedScores:
 def score_files_with_model(model_paths: list, sources_path: str, targets_path: str,
                            device: str = "auto", dtype: str = "auto",
                            batch_tokens: int = BATCH_TOKENS, threads: int = 0,
-                           policy: Utf8Policy = STRICT) -> ForcedScores:
+                           policy: Utf8Policy = STRICT, target_lang: str | None = None,
+                           warn=None) -> ForcedScores:
     """`attn score -m MODEL SRC TGT`: the pairs of two files read (`read_parallel`) and
     scored by `score_with_model`."""
     sources, targets, bad_line = read_parallel(sources_path, targets_path, policy)
     started = time.perf_counter()
     scores = score_with_model(model_paths, sources, targets, device, dtype, batch_tokens,
-                              threads)
+                              threads, target_lang, warn)
     return ForcedScores(scores, time.perf_counter() - started, bad_line)
 
 
 def score_with_model(model_paths: list, sources: list[str], targets: list[str],
                      device: str = "auto", dtype: str = "auto",
-                     batch_tokens: int = BATCH_TOKENS, threads: int = 0) -> list[ForcedScore]:
-    """`attn score -m`: model files loaded (several: an ensemble) and `force_decode`d."""
+                     batch_tokens: int = BATCH_TOKENS, threads: int = 0,
+                     target_lang: str | None = None, warn=None) -> list[ForcedScore]:
+    """`attn score -m`: model files loaded (several: an ensemble) and `force_decode`d; with
+    `target_lang`, each source after that language's tag, as `attn decode --target-lang`
+    translates (`warn` says when a model of several target languages is given none)."""
     from .devices import resolve_dtype
     from .ensemble import load_models
+    from .tags import untagged_note
+    from .translate import target_tags
 
     models, chosen, _ = load_models(model_paths, device, threads)
+    tags = target_tags(models[0].src_vocab, target_lang, f"model file {model_paths[0]}")
+    note = None if target_lang else untagged_note(models[0].src_vocab, str(model_paths[0]))
+    if note and warn:
+        warn(f"score: warning: {note}")
     return force_decode(models, sources, targets, chosen, resolve_dtype(dtype, chosen),
-                        batch_tokens)
+                        batch_tokens, tags)
 
 
 def force_decode(models: list, sources: list[str], targets: list[str], device, dtype: str,
-                 batch_tokens: int = BATCH_TOKENS) -> list[ForcedScore]:
+                 batch_tokens: int = BATCH_TOKENS,
+                 source_tags: tuple[int, ...] = ()) -> list[ForcedScore]:
     """Teacher-forced log-probabilities of each target given its source, in input order, by
     the loaded `models`; several are an ensemble, scored by the distribution `attn decode -m A
-    -m B` searches (the models' log-probabilities averaged at each position, renormalised)."""
+    -m B` searches (the models' log-probabilities averaged at each position, renormalised).
+    `source_tags`: the ids each non-empty source starts with (a target language's tag)."""
     import torch
 
     from .batching import collate_pairs, token_budget_batches
@@ -218,7 +230,7 @@ def force_decode(models: list, sources: list[str], targets: list[str], device, d
 
     first = models[0]
     config = first.config
-    src_ids = first.src_vocab.encode(sources)
+    src_ids = [[*source_tags, *ids] if ids else ids for ids in first.src_vocab.encode(sources)]
     tgt_ids = first.tgt_vocab.encode(targets)
     results: list[ForcedScore | None] = [None] * len(sources)
     lengths = [max(len(s) + 1, len(t) + 1) for s, t in zip(src_ids, tgt_ids)]  # + EOS, BOS

@@ -99,9 +99,19 @@ class SearchModel(Protocol):
 
     def encode(self, src_tokens: Tensor) -> tuple[Tensor, Tensor]: ...
 
-    def start_decoding(self, memory: Tensor, src_mask: Tensor) -> Any: ...
+    def start_decoding(self, memory: Tensor, src_mask: Tensor,
+                       output_ids: Tensor | None = None) -> Any: ...
 
     def decode_step(self, tokens: Tensor, cache: Any) -> tuple[Tensor, Any]: ...
+
+
+def start_decoding(model: SearchModel, memory: Tensor, src_mask: Tensor,
+                   output_ids: Tensor | None) -> Any:
+    """`model.start_decoding`, asked for a shortlist only when there is one (a model of
+    another kind may take none)."""
+    if output_ids is None:
+        return model.start_decoding(memory, src_mask)
+    return model.start_decoding(memory, src_mask, output_ids)
 
 
 class Constraint(Protocol):
@@ -183,20 +193,59 @@ class Unconstrained:
         return None
 
 
+class ShortlistColumns(Unconstrained):
+    """The free search over a vocabulary shortlist: column c of a step's log-probabilities is
+    target id `ids[c]` (sorted; EOS among them), the candidates those columns."""
+
+    def __init__(self, ids: Tensor, eos_id: int):
+        self.ids = ids
+        self.eos_column = int(torch.searchsorted(ids, eos_id))  # a batch's one read
+
+    def to(self, device) -> "ShortlistColumns":
+        self.ids = self.ids.to(device)
+        return self
+
+    def token_ids(self, columns: None, origin: Tensor, picked: Tensor) -> Tensor:
+        return self.ids[picked]
+
+
+def shortlist_search(output_ids: Tensor | None, constraint: Constraint | None, config,
+                     banned: Tensor) -> tuple[Constraint, Tensor, Callable[[Tensor], Tensor]]:
+    """How a search runs over the shortlist `output_ids` (None: none): (its constraint, the
+    banned columns, what makes a step's logits the constraint's columns). Free, the search
+    works in the shortlist's columns (`ShortlistColumns`: its softmax and top-k over those
+    alone); under a constraint, which speaks of target ids, each step's logits are spread
+    over the whole vocabulary, -inf elsewhere."""
+    if output_ids is None:
+        return constraint or Unconstrained(config.eos_id), banned, lambda logits: logits
+    if constraint is not None:
+        size = config.tgt_vocab_size
+
+        def spread(logits: Tensor) -> Tensor:
+            full = logits.new_full((logits.shape[0], size), -math.inf)
+            return full.index_copy_(1, output_ids, logits)
+        return constraint, banned, spread
+    places = torch.searchsorted(output_ids, banned).clamp(max=len(output_ids) - 1)
+    banned_columns = places[output_ids[places] == banned]  # a batch's one read
+    return ShortlistColumns(output_ids, config.eos_id), banned_columns, lambda logits: logits
+
+
 @torch.inference_mode()
 def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.beam,
                 alpha: float = TRANSLATION.alpha, max_len_a: float = TRANSLATION.max_len_a,
                 max_len_b: int = TRANSLATION.max_len_b, nbest: int = 1,
                 banned: tuple[int, ...] | None = None, longest: int | None = None,
                 constraint: Constraint | None = None, stop: Stop | str = Stop.bound,
-                cancelled: Callable[[], Iterable[int]] | None = None) -> list[list[Hypothesis]]:
+                cancelled: Callable[[], Iterable[int]] | None = None,
+                output_ids: Tensor | None = None) -> list[list[Hypothesis]]:
     """src_tokens (B, S), padded with pad_id and ending in EOS → for each sentence, its `nbest`
     best hypotheses, best first. `longest` caps every output length (a model with learned
     positions has no position past its table). `constraint` says which tokens each hypothesis
     may take next (None: any). `stop` says when a sentence's search ends (`Stop`). `beam=1` is
     greedy decoding, as tensor2tensor does for a beam of one: the most probable token at each
     step until EOS (the length penalty then only scales the reported score). `cancelled`: see
-    `CalledOff` (what comes back for a sentence called off means nothing).
+    `CalledOff` (what comes back for a sentence called off means nothing). `output_ids`: the
+    target ids the batch may write (a vocabulary shortlist, sorted; None: all of them).
 
     Each step, the 2K best extensions of a sentence's K beams are ranked: an EOS among the first
     K finishes a hypothesis, and the first K that are not EOS live on (one EOS at most per beam,
@@ -215,14 +264,16 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
     # One hypothesis per sentence to begin with (BOS): the first step ranks its 2K extensions,
     # and K rows per sentence only from the second step on (K copies of BOS would cost a
     # full step's work for nothing).
-    cache = model.start_decoding(memory, src_mask)
+    cache = start_decoding(model, memory, src_mask, output_ids)
     live = Beams.start(batch, config.bos_id, device)
-    constraint = (constraint or Unconstrained(config.eos_id)).to(device)
+    constraint, banned, columns_of = shortlist_search(output_ids, constraint, config, banned)
+    constraint = constraint.to(device)
     state = constraint.start(batch, 1, device)
     called_off = CalledOff(cancelled, batch, device)
 
     for step in range(max(limit_lengths)):
         logits, cache = model.decode_step(live.tokens.view(-1), cache)
+        logits = columns_of(logits)
         log_probs = torch.log_softmax(logits.float(), dim=-1).view(*live.scores.shape, -1)
         log_probs.index_fill_(-1, banned, -math.inf)  # never chosen, but not renormalised away
         limit = limits[live.active]  # (B',)
@@ -527,13 +578,15 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
            max_len_b: int = TRANSLATION.max_len_b, banned: tuple[int, ...] | None = None,
            longest: int | None = None,
            cancelled: Callable[[], Iterable[int]] | None = None,
-           constraint: Constraint | None = None) -> list[list[Hypothesis]]:
+           constraint: Constraint | None = None,
+           output_ids: Tensor | None = None) -> list[list[Hypothesis]]:
     """Ancestral sampling (for back-translation): each sentence's next token drawn by `draw`
     from the model's distribution until EOS or its length limit (where EOS is forced), with
     `uniforms` (B, ≥ longest limit) the random numbers of each sentence (`sentence_uniforms`).
     Returns one hypothesis per sentence, its score the sum of the model's log-probabilities.
     `cancelled`: as `beam_search`'s. `constraint`: as `beam_search`'s, each sentence one
-    hypothesis (K = 1), drawn among its candidates (None: the free search, untouched)."""
+    hypothesis (K = 1), drawn among its candidates (None: the free search, untouched).
+    `output_ids`: as `beam_search`'s."""
     config = model.config
     batch, device = src_tokens.shape[0], src_tokens.device
     banned = banned_ids(config, banned, device)
@@ -541,7 +594,10 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
     limit_lengths = set(limits.tolist())  # as in beam_search
     uniforms = uniforms.to(device)  # once: indexed by the live rows on the device each step
     memory, src_mask = model.encode(src_tokens)
-    cache = model.start_decoding(memory, src_mask)
+    cache = start_decoding(model, memory, src_mask, output_ids)
+    shortlisted = output_ids is not None and constraint is None  # in its columns
+    if output_ids is not None:
+        free, banned, columns_of = shortlist_search(output_ids, constraint, config, banned)
     active = torch.arange(batch, device=device)
     tokens = torch.full((batch,), config.bos_id, dtype=torch.long, device=device)
     history = torch.empty((batch, 0), dtype=torch.long, device=device)
@@ -554,6 +610,8 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
             (batch, 1), dtype=torch.long, device=device)  # every row's one "beam"
     for step in range(max(limit_lengths)):
         logits, cache = model.decode_step(tokens, cache)
+        if output_ids is not None:
+            logits = columns_of(logits)
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         log_probs.index_fill_(-1, banned, -math.inf)
         if constraint is not None:
@@ -565,9 +623,10 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
         else:
             if step + 1 in limit_lengths:
                 only_eos_at_limit(log_probs.unsqueeze(1), limits[active] <= step + 1,
-                                  config.eos_id)
-            tokens = draw(log_probs, uniforms[active, step], temperature, topk, topp)
-            scores += log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).double()
+                                  free.eos_column if shortlisted else config.eos_id)
+            picked = draw(log_probs, uniforms[active, step], temperature, topk, topp)
+            scores += log_probs.gather(1, picked.unsqueeze(1)).squeeze(1).double()
+            tokens = free.ids[picked] if shortlisted else picked
         ends = tokens == config.eos_id
         called_off_rows = called_off.rows(active)
         leaving = ends if called_off_rows is None else ends | called_off_rows

@@ -162,16 +162,12 @@ class SourceTags:
         return [[*self.ids, *sequence] if sequence else sequence for sequence in sequences]
 
 
-def binarize_tags(vocabulary, target: str | None, others: Sequence[str], where: str,
-                  alignments: bool = False) -> SourceTags | None:
+def binarize_tags(vocabulary, target: str | None, others: Sequence[str],
+                  where: str) -> SourceTags | None:
     """`attn binarize --target-tag CODE --tag bt` checked against the source vocabulary: the
     tags to put first (None: none)."""
     if target is None and not others:
         return None
-    if alignments:
-        raise AttnError("--alignments numbers the source's words, which a tag before each "
-                        "source would shift: binarize aligned data without --target-tag and "
-                        "--tag")
     ids = tag_ids(vocabulary, target, others, where, "--target-tag", "--tag")
     metadata = {"source_tags": " ".join(vocabulary.piece(index) for index in ids)}
     if target is not None:

@@ -148,20 +148,32 @@ class DecodeStats:
     # --split-sentences: the non-empty lines the sentences were cut from (None: not split, each
     # non-empty line searched as one sentence)
     split_lines: int | None = None
+    # --shortlist: batches searched, and the target pieces they could write, summed
+    shortlist_batches: int = 0
+    shortlist_pieces: int = 0
+
+    @property
+    def shortlist_mean(self) -> float | None:
+        """The target pieces a batch could write, on average (None: no shortlist)."""
+        return self.shortlist_pieces / self.shortlist_batches if self.shortlist_batches else None
 
     def record(self) -> dict:
         """The summary as one JSON object (`--stats-json`)."""
         split = {} if self.split_lines is None else {"split_lines": self.split_lines}
+        shortlist = {} if self.shortlist_mean is None else \
+            {"shortlist_pieces_per_batch": self.shortlist_mean}
         return {"sentences": self.sentences, **split, "output_tokens": self.output_tokens,
                 "seconds": self.seconds,
                 "sentences_per_s": self.sentences / max(self.seconds, 1e-9),
                 "tokens_per_s": self.output_tokens / self.seconds if self.seconds else 0.0,
-                "truncated": self.truncated, "replaced": self.replaced}
+                "truncated": self.truncated, "replaced": self.replaced, **shortlist}
 
     def summary(self) -> str:
         rate = self.output_tokens / self.seconds if self.seconds else 0.0
         notes = [f"{self.truncated} truncated"] if self.truncated else []
         notes += [f"{self.replaced} with invalid UTF-8 replaced"] if self.replaced else []
+        if self.shortlist_mean is not None:
+            notes += [f"shortlist: {self.shortlist_mean:.0f} target pieces a batch"]
         split = "" if self.split_lines is None else f" cut from {self.split_lines} lines"
         return (f"{self.sentences} sentences{split}, {self.output_tokens} output tokens (EOS "
                 f"included) in {self.seconds:.2f}s: {self.sentences / max(self.seconds, 1e-9):.1f}"
@@ -279,6 +291,9 @@ class Translator:
         # (`controls.GlossaryPhrases`) and phrases banned (target ids); None: none.
         self.glossary: GlossaryPhrases | None = None
         self.bans: list[list[int]] | None = None
+        # A vocabulary shortlist (`shortlist.Shortlist`, `--shortlist`): each batch's output
+        # projection over its candidates only; None: the whole vocabulary.
+        self.shortlist = None
         self._word_pieces: WordPieces | None = None
         self._pool: ThreadPoolExecutor | None = None
 
@@ -342,14 +357,24 @@ class Translator:
                    for sentence in ids)
 
     def search(self, ids: list[list[int]], constraint=None,
-               line_numbers: list[int] | None = None, cancelled=None) -> list[list[Hypothesis]]:
+               line_numbers: list[int] | None = None, cancelled=None,
+               controls: list[Controls] | None = None) -> list[list[Hypothesis]]:
         """Hypotheses of each sentence `ids`; sampling draws a sentence's random numbers from
         the seed and its `line_numbers` entry (default: its place in `ids`). `cancelled()`, if
         given, names the sentences (places in `ids`) whose search is called off: asked before
         each step, each named one leaves the batch then (`search.beam_search`), its hypotheses
-        meaningless."""
+        meaningless. With a shortlist, the batch writes only its candidates and the pieces of
+        its `controls` (prefixes, phrases)."""
         src = pad_sequences(ids, self.config.pad_id).to(self.device)
         options = self.options
+        output_ids = None
+        if self.shortlist is not None:
+            keep = {self.config.eos_id, self.config.unk_id}
+            for line in controls or ():
+                keep.update(line.prefix, *line.phrases)
+            output_ids = self.shortlist.ids_for(src, keep)
+            self.stats.shortlist_batches += 1
+            self.stats.shortlist_pieces += len(output_ids)
         with batch_must_fit(f"search batches of {options.batch_tokens} source tokens × beam",
                             f"lower --batch-tokens ({options.batch_tokens})"):
             if options.sample:
@@ -361,11 +386,12 @@ class Translator:
                 return sample(self.model, src, uniforms, options.temperature, options.topk,
                               options.topp, options.max_len_a, options.max_len_b,
                               longest=self.longest_output, cancelled=cancelled,
-                              constraint=constraint)
+                              constraint=constraint, output_ids=output_ids)
             return beam_search(self.model, src, beam=options.beam, alpha=options.alpha,
                                max_len_a=options.max_len_a, max_len_b=options.max_len_b,
                                nbest=options.nbest, longest=self.longest_output,
-                               constraint=constraint, stop=options.stop, cancelled=cancelled)
+                               constraint=constraint, stop=options.stop, cancelled=cancelled,
+                               output_ids=output_ids)
 
     def translate_window(self, lines: list[str], first_line: int, unit: str = "line",
                          prefixes: list[list[int]] | None = None,
@@ -423,9 +449,9 @@ class Translator:
         words = self.word_pieces() if any(line.phrases for line in controls) else None
         if words is None or self.options.constraint_search == "all":
             return self.search(ids, search_constraint(controls, self.bans, eos, words),
-                               line_numbers, cancelled)
+                               line_numbers, cancelled, controls=controls)
         found = self.search(ids, search_constraint(free_controls(controls), self.bans, eos),
-                            line_numbers, cancelled)
+                            line_numbers, cancelled, controls=controls)
         misses = [place for place, (line, hypotheses) in enumerate(zip(controls, found))
                   if line.phrases and not holds_phrases(hypotheses[0].tokens, line, words)]
         if misses:
@@ -438,7 +464,8 @@ class Translator:
                                 search_constraint([controls[place] for place in misses],
                                                   self.bans, eos, words),
                                 [numbers[place] for place in misses],
-                                cancelled_misses if cancelled else None)
+                                cancelled_misses if cancelled else None,
+                                controls=[controls[place] for place in misses])
             for place, hypotheses in zip(misses, again):
                 found[place] = hypotheses
         return found
@@ -507,7 +534,7 @@ class Translator:
 
         model = self.model.models[0] if isinstance(self.model, Ensemble) else self.model
         return align_lines(model, self.src_vocab, self.tgt_vocab, lines, outputs,
-                           self.max_source, layer, heads)
+                           self.max_source, layer, heads, self.options.source_tags)
 
     def translate_aligned(self, lines: list[str]) -> tuple[list[str], list[list[tuple[int, int]]]]:
         """The best translation of each line (detokenized: `--raw` does not apply) and its
@@ -635,6 +662,21 @@ def use_controls(translator: Translator, glossary_path=None, ban_path=None) -> N
         translator.glossary = GlossaryPhrases(terms, translator.tgt_vocab, unk)
     if ban_path is not None:
         translator.bans = read_bans(ban_path, translator.tgt_vocab, unk)
+
+
+def use_shortlist(translator: Translator, shortlist, path=None) -> None:
+    """`attn decode --shortlist FILE`: each batch's output projection over its candidates
+    (shortlist.py), the file (or a `shortlist.Shortlist` read from `path`) checked against
+    the translator's vocabularies now. Parsing's tree constraint forces pieces of its own: a
+    parser takes no shortlist."""
+    from .shortlist import Shortlist
+
+    if translator.constraint_for is not None:
+        raise AttnError("a vocabulary shortlist is for translation, not parsing")
+    if not isinstance(shortlist, Shortlist):
+        shortlist, path = Shortlist.load(shortlist), shortlist
+    shortlist.check_vocabularies(translator.src_vocab, translator.tgt_vocab, "the model", path)
+    translator.shortlist = shortlist
 
 
 def split_controls(translator: Translator, window: list[str], name: str, first_line: int,

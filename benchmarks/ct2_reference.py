@@ -51,16 +51,30 @@ def convert(model_path: str, output_dir: str) -> str:
     return output_dir
 
 
+def write_vmap(shortlist_path: str, model_path: str, ct2_dir: str) -> None:
+    """The attn shortlist as CTranslate2's vocabulary map, where its Translator reads one
+    (vmap.txt in the model directory), so that both decoders keep the same candidates."""
+    from attn_cli.modelfile import load_model
+    from attn_cli.shortlist import Shortlist
+
+    loaded = load_model(model_path)
+    lines = Shortlist.load(shortlist_path).vmap_lines(loaded.src_vocab, loaded.tgt_vocab)
+    Path(ct2_dir, "vmap.txt").write_text("".join(line + "\n" for line in lines),
+                                         encoding="utf-8")
+
+
 def translate(ct2_dir: str, lines: list[str], beam: int, threads: int, layout: str = "inter",
               length_penalty: float | None = None, batch_tokens: int = BATCH_TOKENS,
-              compute_type: str = "float32") -> tuple[list[str], float, int]:
+              compute_type: str = "float32",
+              use_vmap: bool = False) -> tuple[list[str], float, int]:
     """Decode `lines` (non-empty) → (outputs, seconds, output tokens with one EOS each).
 
     layout "inter": `threads` batches at once, one thread each (as attn's CPU default, one
     search worker per thread), the faster; "intra": one batch at a time on `threads` threads
     (6-10x slower on a busy 2-core VM, its OpenMP threads waiting on each other). Seconds run
     from tokenizing to detokenizing, model load excluded (as attn decode's summary line).
-    `compute_type`: CTranslate2's ("int8": its int8 weights and activations)."""
+    `compute_type`: CTranslate2's ("int8": its int8 weights and activations). `use_vmap`: its
+    vocabulary map (vmap.txt in the model directory: `write_vmap`)."""
     import ctranslate2
 
     src_vocab, tgt_vocab = (Vocabulary.from_file(Path(ct2_dir, f"{name}.spm"))
@@ -86,7 +100,8 @@ def translate(ct2_dir: str, lines: list[str], beam: int, threads: int, layout: s
         [sources[i] for i in batch], asynchronous=True, beam_size=beam,
         length_penalty=length_penalty, max_input_length=0,  # truncated above, as attn does
         max_decoding_length=max(len(sources[i]) - 1 for i in batch) + TRANSLATION.max_len_b,
-        suppress_sequences=[[pad], [bos]])  # attn bans these two
+        suppress_sequences=[[pad], [bos]],  # attn bans these two
+        use_vmap=use_vmap)
         for batch in batches]
     hypotheses: list = [None] * len(lines)
     for batch, results in zip(batches, pending):

@@ -23,6 +23,10 @@ bundled), it runs the real command in a subprocess and reports:
 `--int8`: attn with `--int8` against CTranslate2's `int8` compute type, and attn's float32 BLEU
 of the same run beside (target: within 0.3).
 
+`--shortlist FILE` (from `attn shortlist`): each beam timed again with `attn decode --shortlist`
+against CTranslate2 with the same shortlist as its vocabulary map (`use_vmap`), the full
+vocabulary's runs beside in the same run.
+
 Report on stderr (with the CPU model and ISA), one JSON object on stdout. Only the same-run
 ratios carry from one machine to another; the absolute figures are this machine's.
 """
@@ -110,6 +114,9 @@ def main() -> None:
                         "CTranslate2 int8, with attn's float32 BLEU for the difference.")
     parser.add_argument("--no-reference", action="store_true",
                         help="Skip CTranslate2 even if it is installed.")
+    parser.add_argument("--shortlist", help="Also time attn with this `attn shortlist` file "
+                        "(--shortlist) against CTranslate2 with the same shortlist as its "
+                        "vocabulary map (use_vmap), each beam.")
     args = parser.parse_args()
     import sacrebleu
 
@@ -121,8 +128,12 @@ def main() -> None:
     compute_type = "int8" if args.int8 else "float32"
     reference = None
     if not args.no_reference:
+        # (from fc03f90 to here a bare `import ct2_reference` failed under `python -m`, and
+        # the reference was skipped as if CTranslate2 were missing)
         try:
-            import ct2_reference as reference
+            import ctranslate2  # noqa: F401
+
+            from benchmarks import ct2_reference as reference
         except ImportError:
             log("ctranslate2 is not installed: no same-run reference (pip install ctranslate2)")
     cpu_name, isa = cpu_info()
@@ -138,13 +149,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as ct2_dir:
         if reference is not None:
             reference.convert(args.model, ct2_dir)
-        for beam in (int(b) for b in args.beams.split(",")):
+        configurations = [("", extra, False)]
+        if args.shortlist:
+            configurations.append(("-shortlist", extra + ["--shortlist", args.shortlist], True))
+            if reference is not None:
+                reference.write_vmap(args.shortlist, args.model, ct2_dir)
+        for beam, (suffix, extra, use_vmap) in ((int(b), configuration)
+                                                 for b in args.beams.split(",")
+                                                 for configuration in configurations):
+            if suffix:
+                log(f"beam {beam}, {suffix[1:]} (attn --shortlist, CTranslate2 use_vmap):")
             attn_runs, ct2_runs = [], []
             for _ in range(args.repeats):  # interleaved: both see the same machine
                 attn_runs.append(decode(args.model, source, beam, extra))
                 if reference is not None:
                     outputs, seconds, tokens = reference.translate(
-                        ct2_dir, lines, beam, args.threads, compute_type=compute_type)
+                        ct2_dir, lines, beam, args.threads, compute_type=compute_type,
+                        use_vmap=use_vmap)
                     ct2_runs.append({"output": outputs, "decode_s": seconds, "tokens": tokens,
                                      "sentences_per_s": len(lines) / seconds,
                                      "tokens_per_s": tokens / seconds})
@@ -191,7 +212,7 @@ def main() -> None:
                                  "sentences_per_s": single["sentences_per_s"]}
                 log(f"        one at a time: BLEU {single_bleu:.2f}, {same}/{run['sentences']} "
                     f"identical lines, {single['sentences_per_s']:.1f} sentences/s")
-            report["runs"][f"beam{beam}"] = run
+            report["runs"][f"beam{beam}{suffix}"] = run
     print(json.dumps(report, indent=2))
 
 

@@ -51,6 +51,8 @@ def attn_commands(lines: list[str]) -> list[list[str]]:
     commands = []
     for line in lines:
         for part in line.split("&&"):
+            if part.split()[:1] not in (["attn"], ["torchrun"]):
+                continue  # not a command of ours (shell around it: awk, printf, ...)
             words = shlex.split(part.split("<")[0].split(">")[0])
             if words[:1] == ["attn"]:
                 commands.append(words[1:])
@@ -86,6 +88,8 @@ def sample_treebank(tmp_path) -> Path:
 
 @pytest.mark.parametrize("recipe,targets,expected", [
     ("multi30k", [], ["vocab", "binarize", "train", "average", "decode", "score"]),
+    ("multi30k-multi", ["compare"], ["vocab", "binarize", "train", "average", "decode",
+                                     "score"]),
     ("wmt14-en-de", ["base", "big"], ["vocab", "binarize", "train", "average", "decode", "score"]),
     ("wmt14-en-fr", ["base", "big"], ["vocab", "binarize", "train", "average", "decode", "score"]),
     ("wsj-parse", [], ["parse", "vocab", "binarize", "train", "average", "score"]),
@@ -120,6 +124,24 @@ def test_wmt_recipes_follow_the_paper():
     french = " ".join(dry_run("wmt14-en-fr", "big"))
     assert "--size 32000" in french and "--preset big-enfr" in french
     assert "--tokenize compound-split" in french
+
+
+def test_multilingual_recipe_tags_each_pair_and_compares_with_single_pairs():
+    text = [re.sub(r"\s+", " ", line) for line in dry_run("multi30k-multi", "compare")]
+    joined = " ".join(text)
+    assert "--tags de,fr,cs" in joined and "--weights 1,1,1" in joined
+    for lang in ("de", "fr", "cs"):
+        assert f"--langs en-{lang} --target-tag {lang}" in joined
+        assert f"decode -m /nonexistent-work/model.st --target-lang {lang}" in joined
+        # the single-pair model: the demo's own recipe, into its own directory
+        assert f"TGT={lang}" in joined and f"/single/{lang}/test_2016_flickr.bleu" in joined
+    train = [line for line in text if line.startswith("attn train")]
+    assert len(train) == 4  # the one model of three pairs, and one per pair, 20 minutes each
+    assert "train.de.st /nonexistent-work/train.fr.st /nonexistent-work/train.cs.st" in train[0]
+    assert all("--max-time 20m" in line for line in train)
+    for name in ("train", "val", "test_2016_flickr"):  # a fresh clone has every language
+        for lang in ("en", "de", "fr", "cs"):
+            assert (BUNDLED / f"{name}.{lang}.gz").is_file()
 
 
 # The WMT archives fairseq's prepare-wmt14en2{de,fr}.sh and tensor2tensor fetch: their size and

@@ -75,7 +75,8 @@ def test_the_sentences_of_all_texts_are_searched_in_shared_batches():
     translator = load_translator(CHECKPOINT, device="cpu", threads=1, workers=1)
     searched = []
     search = translator.search
-    translator.search = lambda ids, *rest: searched.append(len(ids)) or search(ids, *rest)
+    translator.search = lambda ids, *rest, **named: searched.append(len(ids)) or search(ids, *rest,
+                                                                                   **named)
     texts = [joined(*line) for line in LINES]
     found = translator.translate_paragraphs(texts)
     assert searched == [10]  # one batch: every sentence of every text

@@ -11,6 +11,7 @@ import random
 import pytest
 from safetensors import safe_open
 
+from attn_cli.data import ParallelData
 from attn_cli.errors import AttnError
 from attn_cli.tags import (
     opus_language_code,
@@ -120,11 +121,30 @@ def test_binarize_tags_every_source_and_records_it(tagged_vocab, tmp_path):
         (["--target-tag", "bt"], ["use --tag bt"]),
         (["--tag", "fr"], ["--tag fr", "use --target-tag fr"]),
         (["--target-tag", "<2fr>"], ["--target-tag takes a language code"]),
-        (["--target-tag", "fr", "--alignments", src], ["--alignments"]),
     ]:
         assert_clean_error(run_attn("binarize", "--vocab", tagged_vocab, src, tgt, "-o", out,
                                     *options), *fragments)
     assert not out.exists()
+
+
+def test_aligned_data_with_tags_keeps_each_words_pieces_after_the_tags(tagged_vocab, tmp_path):
+    """`--alignments` numbers the line's words; with `--target-tag de --tag bt` before each
+    source the same word pairs name the same pieces, two places further on, and no pair names
+    a tag."""
+    (tmp_path / "s").write_text("ab c\nd e f\n\nfg h\n")
+    (tmp_path / "t").write_text("c ab\nf e d\nh\nh fg\n")
+    (tmp_path / "a").write_text("0-1 1-0\n0-2 1-1 2-0\n\n1-0 0-1\n")
+    pieces = {}
+    for name, options in (("plain", []), ("tagged", ["--target-tag", "de", "--tag", "bt"])):
+        result = run_attn("binarize", "--vocab", tagged_vocab, tmp_path / "s", tmp_path / "t",
+                          "--alignments", tmp_path / "a", "-o", tmp_path / f"{name}.st",
+                          *options)
+        assert result.returncode == 0, result.stderr
+        data = ParallelData(tmp_path / f"{name}.st")
+        assert len(data) == 3 and data.has_alignments
+        pieces[name] = [sorted(map(tuple, data.alignment(i).tolist())) for i in range(3)]
+    assert all(pairs for pairs in pieces["plain"])
+    assert pieces["tagged"] == [sorted((s + 2, t) for s, t in pairs) for pairs in pieces["plain"]]
 
 
 def test_decode_puts_the_tag_first_and_refuses_an_unknown_one(tagged_model, spm_model, tmp_path):
@@ -153,6 +173,68 @@ def test_decode_puts_the_tag_first_and_refuses_an_unknown_one(tagged_model, spm_
     assert_clean_error(run_attn("decode", "-m", untagged, "--target-lang", "fr",
                                 stdin="a b\n"), "has no target-language tags",
                        "attn vocab --tags")
+
+
+def test_alignments_attention_maps_and_scores_read_the_source_the_search_saw(tagged_model,
+                                                                             tmp_path):
+    """With --target-lang the tag is part of the source the model reads: alignments come from
+    attention over tag + line with the tag's column never chosen (the line's words numbered
+    from 0), the attention maps show the tag first, and `score -m --target-lang` gives the
+    log-probs of the sources with the tag typed."""
+    import math
+
+    import torch
+
+    from attn_cli.alignment import alignment_attention, piece_words, word_pairs
+    from attn_cli.batching import collate_pairs
+
+    translator = load_translator(tagged_model, 1, device="cpu", threads=1, target_lang="de",
+                                 max_len_b=6)
+    vocabulary, config = translator.src_vocab, translator.config
+    de = vocabulary_tags(vocabulary).targets["de"]
+    lines = letter_lines(12, 5)
+    outputs = [h[0].tokens or [vocabulary.encode(["a"])[0][0]]
+               for h in translator.translate_window(lines, 1)]
+    aligned = translator.align(lines, outputs)
+    for line, output, found in zip(lines, outputs, aligned):
+        ids = vocabulary.encode([line])[0]
+        batch = collate_pairs([([de, *ids], output)], config.bos_id, config.eos_id,
+                              config.pad_id).to(torch.device("cpu"))
+        with torch.inference_mode():
+            attention = alignment_attention(translator.model, batch.src_tokens, batch.tgt_input)
+            attention[:, :, 0] = -math.inf  # the tag: attended to, aligned with no word
+            nearest = attention[0, :len(output)].argmax(-1).tolist()
+        source_words = [-1] + piece_words([vocabulary.piece(token) for token in ids])
+        output_words = piece_words([translator.tgt_vocab.piece(token) for token in output])
+        assert found == word_pairs(nearest, source_words, output_words)
+        assert all(0 <= source < len(line.split()) for source, _ in found)
+    search = ["--beam", "1", "--max-len-b", "5", "--threads", "1"]
+    result = run_attn("decode", "-m", tagged_model, *search, "--target-lang", "de",
+                      "--attention", tmp_path / "maps.st", stdin=lines[0] + "\n")
+    assert result.returncode == 0, result.stderr
+    with safe_open(str(tmp_path / "maps.st"), "pt") as maps:
+        import json
+
+        pieces = json.loads(maps.metadata()["pieces"])["1"]["source"]
+    assert pieces[0] == "\u2581<2de>" and len(pieces) == len(vocabulary.encode(lines[:1])[0]) + 2
+    (tmp_path / "src").write_text("\n".join(lines) + "\n")
+    (tmp_path / "typed").write_text("".join(f"<2de> {line}\n" for line in lines))
+    (tmp_path / "tgt").write_text("\n".join(map(shifted, lines)) + "\n")
+    told = run_attn("score", "-m", tagged_model, "--threads", "1", "--target-lang", "de",
+                    tmp_path / "src", tmp_path / "tgt")
+    typed = run_attn("score", "-m", tagged_model, "--threads", "1", tmp_path / "typed",
+                     tmp_path / "tgt")
+    plain = run_attn("score", "-m", tagged_model, "--threads", "1", tmp_path / "src",
+                     tmp_path / "tgt")
+    assert told.returncode == 0, told.stderr
+    assert told.stdout == typed.stdout and told.stdout != plain.stdout
+    assert "warning" in plain.stderr and "target tags: de, fr" in plain.stderr
+    assert "warning" not in told.stderr
+    assert_clean_error(run_attn("score", "-m", tagged_model, "--target-lang", "es",
+                                tmp_path / "src", tmp_path / "tgt"), "--target-lang es",
+                       "has no tag for it")
+    assert_clean_error(run_attn("score", "--ref", tmp_path / "tgt", "--target-lang", "de",
+                                tmp_path / "tgt"), "--target-lang goes with -m")
 
 
 def test_serve_routes_each_pair_of_a_multi_target_model_to_its_tag(tagged_model, tmp_path):

@@ -124,14 +124,14 @@ def test_a_job_cancelled_midway_leaves_its_batch_and_the_others_get_their_output
     kept, gone = (Job(text, searching, done.append) for text in (lines[:4], lines[4:]))
     search = searching.search
 
-    def cancelling_at_the_third_step(ids, constraint, line_numbers, cancelled):
+    def cancelling_at_the_third_step(ids, constraint, line_numbers, cancelled, controls=None):
         steps = iter(range(1_000_000))
 
         def asked() -> list[int]:
             if next(steps) == 2:
                 queue.cancel(gone)
             return cancelled()
-        found = search(ids, constraint, line_numbers, asked)
+        found = search(ids, constraint, line_numbers, asked, controls)
         assert sorted(asked()) == sorted(place for place, line in enumerate(batch)
                                          if line.job is gone)
         return found
