@@ -198,6 +198,14 @@ def _pieces(vocabulary: Vocabulary, texts: list[str], ids: list[list[int]]) -> l
             for line_pieces, line_ids in zip(found, ids)]
 
 
+def _cleaner(cleaning: CleanOptions | None, src_path, tgt_path) -> Cleaner | None:
+    """binarize's filters (None: none asked for); --dedup's table is sized from the lines."""
+    if cleaning is None or not cleaning.reasons:
+        return None
+    expected = (count_lines(src_path) or count_lines(tgt_path)) if cleaning.dedup else None
+    return Cleaner(cleaning, expected)
+
+
 def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
              out_path: str | os.PathLike, src_vocab: Vocabulary,
              tgt_vocab: Vocabulary | None = None, max_len: int = 1024, threads: int = 0,
@@ -226,10 +234,8 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     paths = {"src": src_path, "tgt": tgt_path}
-    cleaner = None
-    if cleaning is not None and cleaning.reasons:
-        expected = (count_lines(src_path) or count_lines(tgt_path)) if cleaning.dedup else None
-        cleaner = Cleaner(cleaning, expected)  # (--dedup's table is sized from the lines)
+    cleaner = _cleaner(cleaning, src_path, tgt_path)
+    if cleaner is not None:
         stats.filtered = cleaner.counts
     try:
         with dropped_output(dropped_path) as dropped, \
@@ -242,8 +248,7 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
                                  0 if source_tags is None else len(source_tags.ids))
             while True:
                 raw, raw_alignments = _take_chunk(
-                    {"src": src_handle, "tgt": tgt_handle},
-                    {"src": src_path, "tgt": tgt_path},
+                    {"src": src_handle, "tgt": tgt_handle}, paths,
                     None if aligner is None else (align_handle, alignments_path),
                     chunk_lines, stats.lines)
                 if not raw["src"]:
@@ -271,12 +276,8 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
             _check_some_kept(stats, src_path, tgt_path, max_len)
             tensors = _data_tensors(writers, aligner, stats, src_vocab, tgt_vocab)
             metadata = _data_metadata(stats, src_vocab, tgt_vocab, max_len, src_path, tgt_path,
-                                      cleaning if cleaner is not None else None, langs)
-            if source_tags is not None:
-                metadata.update(source_tags.metadata)
-            if aligner is not None:
-                metadata["alignments_file"] = Path(display_name(alignments_path)).name
-                metadata["alignment_pairs"] = str(aligner.total)
+                                      cleaning if cleaner is not None else None, langs,
+                                      source_tags, alignments_path)
             stfile.write_streaming(out_path, tensors, metadata)
         stats.seconds = time.perf_counter() - started
     except OSError as error:  # a full disk, a quota, a read-only file system
@@ -371,10 +372,12 @@ def _append_kept(encoded: dict, writers: dict, keep: np.ndarray, aligned: list |
 
 def _data_metadata(stats: BinarizeStats, src_vocab: Vocabulary, tgt_vocab: Vocabulary | None,
                    max_len: int, src_path, tgt_path, cleaning: CleanOptions | None = None,
-                   langs: tuple[str, str] | None = None) -> dict[str, str]:
+                   langs: tuple[str, str] | None = None, source_tags: SourceTags | None = None,
+                   alignments_path=None) -> dict[str, str]:
     """What a data file says of itself: format, vocabularies, counts, special ids, sources; the
     cleaning filters (`filters`, as CleanOptions.describe) and what each dropped (`dropped_NAME`),
-    and the language pair (`langs`, "en-de"), where given."""
+    the language pair (`langs`, "en-de"), the sources' tags (`SourceTags.metadata`) and the
+    alignments' file and piece pairs (`stats.alignment_pairs`), where given."""
     target = tgt_vocab or src_vocab
     metadata = {
         "format": DATA_FORMAT, "format_version": DATA_FORMAT_VERSION,
@@ -397,6 +400,11 @@ def _data_metadata(stats: BinarizeStats, src_vocab: Vocabulary, tgt_vocab: Vocab
                          for name, count in stats.filtered.items()})
     if langs is not None:
         metadata["langs"] = "-".join(langs)
+    if source_tags is not None:
+        metadata.update(source_tags.metadata)
+    if alignments_path is not None:
+        metadata["alignments_file"] = Path(display_name(alignments_path)).name
+        metadata["alignment_pairs"] = str(stats.alignment_pairs)
     return metadata
 
 

@@ -210,14 +210,15 @@ class ShortlistColumns(Unconstrained):
 
 
 def shortlist_search(output_ids: Tensor | None, constraint: Constraint | None, config,
-                     banned: Tensor) -> tuple[Constraint, Tensor, Callable[[Tensor], Tensor]]:
+                     banned: Tensor
+                     ) -> tuple[Constraint, Tensor, Callable[[Tensor], Tensor] | None]:
     """How a search runs over the shortlist `output_ids` (None: none): (its constraint, the
-    banned columns, what makes a step's logits the constraint's columns). Free, the search
-    works in the shortlist's columns (`ShortlistColumns`: its softmax and top-k over those
-    alone); under a constraint, which speaks of target ids, each step's logits are spread
-    over the whole vocabulary, -inf elsewhere."""
+    banned columns, what spreads a step's logits over the whole vocabulary, or None where
+    they are the constraint's columns already). Free, the search works in the shortlist's
+    columns (`ShortlistColumns`: its softmax and top-k over those alone); under a constraint,
+    which speaks of target ids, each step's logits are spread, -inf outside the shortlist."""
     if output_ids is None:
-        return constraint or Unconstrained(config.eos_id), banned, lambda logits: logits
+        return constraint or Unconstrained(config.eos_id), banned, None
     if constraint is not None:
         size = config.tgt_vocab_size
 
@@ -227,7 +228,7 @@ def shortlist_search(output_ids: Tensor | None, constraint: Constraint | None, c
         return constraint, banned, spread
     places = torch.searchsorted(output_ids, banned).clamp(max=len(output_ids) - 1)
     banned_columns = places[output_ids[places] == banned]  # a batch's one read
-    return ShortlistColumns(output_ids, config.eos_id), banned_columns, lambda logits: logits
+    return ShortlistColumns(output_ids, config.eos_id), banned_columns, None
 
 
 @torch.inference_mode()
@@ -266,14 +267,15 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
     # full step's work for nothing).
     cache = start_decoding(model, memory, src_mask, output_ids)
     live = Beams.start(batch, config.bos_id, device)
-    constraint, banned, columns_of = shortlist_search(output_ids, constraint, config, banned)
+    constraint, banned, spread = shortlist_search(output_ids, constraint, config, banned)
     constraint = constraint.to(device)
     state = constraint.start(batch, 1, device)
     called_off = CalledOff(cancelled, batch, device)
 
     for step in range(max(limit_lengths)):
         logits, cache = model.decode_step(live.tokens.view(-1), cache)
-        logits = columns_of(logits)
+        if spread is not None:
+            logits = spread(logits)
         log_probs = torch.log_softmax(logits.float(), dim=-1).view(*live.scores.shape, -1)
         log_probs.index_fill_(-1, banned, -math.inf)  # never chosen, but not renormalised away
         limit = limits[live.active]  # (B',)
@@ -553,6 +555,20 @@ def draw(log_probs: Tensor, uniforms: Tensor, temperature: float = 1.0, topk: in
     return tokens.gather(1, pick.unsqueeze(1)).squeeze(1)
 
 
+def _draw_free(log_probs: Tensor, uniforms: Tensor, drawing: tuple[float, int, float],
+               at_limit: Tensor | None, eos_id: int,
+               columns: ShortlistColumns | None) -> tuple[Tensor, Tensor]:
+    """One step of `sample` with no constraint: the rows `at_limit` (None: none) can only
+    end; returns the tokens drawn and their log-probabilities. `columns`: log_probs' columns
+    are a shortlist's (None: the vocabulary)."""
+    if at_limit is not None:
+        only_eos_at_limit(log_probs.unsqueeze(1), at_limit,
+                          eos_id if columns is None else columns.eos_column)
+    picked = draw(log_probs, uniforms, *drawing)
+    gained = log_probs.gather(1, picked.unsqueeze(1)).squeeze(1).double()
+    return (picked if columns is None else columns.ids[picked]), gained
+
+
 def _draw_constrained(constraint: Constraint, state, first: Tensor, log_probs: Tensor,
                       limits: Tensor, step: int, at_a_limit: bool, uniforms: Tensor,
                       drawing: tuple[float, int, float], active: Tensor
@@ -595,9 +611,9 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
     uniforms = uniforms.to(device)  # once: indexed by the live rows on the device each step
     memory, src_mask = model.encode(src_tokens)
     cache = start_decoding(model, memory, src_mask, output_ids)
-    shortlisted = output_ids is not None and constraint is None  # in its columns
-    if output_ids is not None:
-        free, banned, columns_of = shortlist_search(output_ids, constraint, config, banned)
+    searched, banned, spread = shortlist_search(output_ids, constraint, config, banned)
+    columns = searched if isinstance(searched, ShortlistColumns) else None  # free, shortlisted
+    drawing = (temperature, topk, topp)
     active = torch.arange(batch, device=device)
     tokens = torch.full((batch,), config.bos_id, dtype=torch.long, device=device)
     history = torch.empty((batch, 0), dtype=torch.long, device=device)
@@ -610,23 +626,19 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
             (batch, 1), dtype=torch.long, device=device)  # every row's one "beam"
     for step in range(max(limit_lengths)):
         logits, cache = model.decode_step(tokens, cache)
-        if output_ids is not None:
-            logits = columns_of(logits)
+        if spread is not None:
+            logits = spread(logits)
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         log_probs.index_fill_(-1, banned, -math.inf)
         if constraint is not None:
             tokens, gained, state = _draw_constrained(
                 constraint, state, first, log_probs, limits[active], step,
-                step + 1 in limit_lengths, uniforms[active, step], (temperature, topk, topp),
-                active)
-            scores += gained
+                step + 1 in limit_lengths, uniforms[active, step], drawing, active)
         else:
-            if step + 1 in limit_lengths:
-                only_eos_at_limit(log_probs.unsqueeze(1), limits[active] <= step + 1,
-                                  free.eos_column if shortlisted else config.eos_id)
-            picked = draw(log_probs, uniforms[active, step], temperature, topk, topp)
-            scores += log_probs.gather(1, picked.unsqueeze(1)).squeeze(1).double()
-            tokens = free.ids[picked] if shortlisted else picked
+            at_limit = limits[active] <= step + 1 if step + 1 in limit_lengths else None
+            tokens, gained = _draw_free(log_probs, uniforms[active, step], drawing, at_limit,
+                                        config.eos_id, columns)
+        scores += gained
         ends = tokens == config.eos_id
         called_off_rows = called_off.rows(active)
         leaving = ends if called_off_rows is None else ends | called_off_rows

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -150,6 +150,8 @@ class Shortlist:
     src_checksum: str
     tgt_checksum: str
     metadata: dict[str, str]
+    # both tables as tensors, by device, made at a batch's first need
+    _tables: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def best(self) -> int:
@@ -161,8 +163,7 @@ class Shortlist:
         constraint pieces). A tensor on the sources' device."""
         import torch
 
-        table = self._device_table(src_tokens.device)
-        candidates, always = table
+        candidates, always = self._device_tables(src_tokens.device)
         chosen = torch.zeros(self.target_size, dtype=torch.bool, device=src_tokens.device)
         rows = candidates.index_select(0, src_tokens.reshape(-1).unique()).reshape(-1)
         chosen[rows[rows >= 0]] = True
@@ -172,16 +173,14 @@ class Shortlist:
             chosen[torch.tensor(extra, dtype=torch.long, device=src_tokens.device)] = True
         return chosen.nonzero().squeeze(1)
 
-    def _device_table(self, device):
+    def _device_tables(self, device):
         import torch
 
-        cached = getattr(self, "_tables", None)
-        if cached is None:
-            cached = self._tables = {}
-        if device not in cached:
-            cached[device] = (torch.from_numpy(self.candidates.astype(np.int64)).to(device),
-                              torch.from_numpy(self.always.astype(np.int64)).to(device))
-        return cached[device]
+        if device not in self._tables:
+            self._tables[device] = (
+                torch.from_numpy(self.candidates.astype(np.int64)).to(device),
+                torch.from_numpy(self.always.astype(np.int64)).to(device))
+        return self._tables[device]
 
     @property
     def target_size(self) -> int:
