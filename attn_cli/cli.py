@@ -24,6 +24,7 @@ from .errors import AttnError, is_out_of_memory, out_of_memory_line
 from .formats import (
     BATCH_TOKENS,
     BUFFER_SIZE,
+    COMPILE_MODES,
     COMPOUND_SPLIT,
     CUDNN_ATTENTION,
     GPU_BATCH_TOKENS,
@@ -125,6 +126,12 @@ Int8Option = Annotated[bool, typer.Option(
     "--int8", help="int8 linear layers (torch's dynamic quantization, CPU only): faster "
     "(benchmarks/README.md has the figures); outputs then depend on the batching, and BLEU "
     "moves a little. Never the default.")]
+CompileMode = _choices("CompileMode", COMPILE_MODES)
+CompileOption = Annotated[CompileMode, typer.Option(
+    "--compile", help="on: every decoder step through a preallocated cache, compiled by torch's "
+    "compiler (a CPU, one float model; else one line and the eager step): the same outputs, "
+    "but on the CPUs measured no faster once compiled and 6-30 s to compile in every run "
+    "(benchmarks/README.md), so off, and auto, decode with the eager step.")]
 ThreadsOption = Annotated[int, typer.Option("--threads", min=0,
                                             help="CPU threads (0: all cores).")]
 WorkersOption = Annotated[int, typer.Option(
@@ -606,6 +613,7 @@ def decode(
     device: DeviceOption = Device.auto,
     dtype: PrecisionOption = Precision.auto,
     int8: Int8Option = False,
+    compile: CompileOption = CompileMode.off,
     threads: ThreadsOption = 0,
     workers: WorkersOption = 0,
     raw: bool = typer.Option(False, "--raw", help="Print subword pieces, not detokenized "
@@ -710,7 +718,7 @@ def decode(
                                  temperature=temperature, seed=seed,
                                  batch_tokens=batch_tokens, buffer_size=buffer_size, raw=raw,
                                  int8=int8, constraint_search=constraint_search,
-                                 target_lang=target_lang)
+                                 target_lang=target_lang, compile=compile.value)
     if target_lang is None:
         from .tags import untagged_note
 

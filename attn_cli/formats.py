@@ -139,6 +139,11 @@ class Stop(str, Enum):
 # words (tree_search.TreeConstraint).
 WORD_SCORES = ("given", "joint")
 
+# `decode --compile`: the search steps through `compiled.StepDecoder`, compiled ("on"), or
+# the model's own eager step ("off"; "auto" is "off": on the CPUs measured the compiled step
+# was no faster, and compiling it takes 6-30 s a run; benchmarks/README.md).
+COMPILE_MODES = ("off", "on", "auto")
+
 BATCH_TOKENS = 8000  # source tokens × beam held by one search batch (score -m: tokens per batch)
 # ... on a GPU: a search step is a few small kernels per layer, so a batch must hold many
 # sentences to keep it busy (8000 at beam 4 is ~65 sentences; 64000, ~500: a few GB of keys and

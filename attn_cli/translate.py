@@ -40,7 +40,7 @@ from .devices import inference_dtype, inference_model, pick_device, search_batch
 from .ensemble import Ensemble, load_models
 from .errors import AttnError, batch_must_fit
 from .files import STRICT, Utf8Policy
-from .formats import BUFFER_SIZE, MAX_SOURCE_TOKENS, TRANSLATION, Stop
+from .formats import BUFFER_SIZE, COMPILE_MODES, MAX_SOURCE_TOKENS, TRANSLATION, Stop
 from .lexical import UNMET_PENALTY, WordPieces
 from .modelfile import LoadedModel
 from .search import (
@@ -263,7 +263,7 @@ class Translator:
 
     def __init__(self, loaded: LoadedModel, options: DecodeOptions, device: torch.device,
                  dtype: str = "fp32", warn=None, constraint_for=None,
-                 ensemble: list[LoadedModel] = (), int8: bool = False):
+                 ensemble: list[LoadedModel] = (), int8: bool = False, compile: str = "off"):
         self.options, self.device = options, device
         # Of the loaded models the translator keeps what lines in and out need (the first
         # one's config, for the special ids, and vocabularies: an ensemble shares them) and a
@@ -277,13 +277,16 @@ class Translator:
         models = [inference_model(member.model, device, dtype, linears)
                   for member in (loaded, *ensemble)]
         self.model = models[0] if len(models) == 1 else Ensemble(models)
+        self.warn = warn or (lambda message: print(message, file=sys.stderr, flush=True))
+        # What the search steps: the model, or its step with a preallocated cache, compiled
+        # (`--compile`, `compiled.StepDecoder`)
+        self.stepped = self._stepped(compile, int8)
         # Longest source the models take: their positions (learned) or any sane length, EOS
         # included; the target side also needs max_len_a·|x| + b positions.
         learned = [member.config.max_positions - 1 for member in (loaded, *ensemble)
                    if member.config.positions == "learned"]
         self.max_source = min(learned, default=MAX_SOURCE_TOKENS)
         self.longest_output = min(learned, default=None)
-        self.warn = warn or (lambda message: print(message, file=sys.stderr, flush=True))
         self.stats = DecodeStats()
         # constraint_for(lines of a batch) → a search constraint for them (parsing), or None
         self.constraint_for = constraint_for
@@ -296,6 +299,23 @@ class Translator:
         self.shortlist = None
         self._word_pieces: WordPieces | None = None
         self._pool: ThreadPoolExecutor | None = None
+
+    def _stepped(self, compile: str, int8: bool):
+        """The model the search steps with `compile` (`formats.COMPILE_MODES`): "on", a
+        compiled step where it covers the model (one model on a CPU, not --int8), else the
+        model with one stderr line; "auto" as "off"."""
+        if compile not in COMPILE_MODES:
+            raise AttnError(f"--compile must be one of {', '.join(COMPILE_MODES)}, not "
+                            f"{compile!r}")
+        if compile != "on":
+            return self.model
+        if isinstance(self.model, Ensemble) or int8 or self.device.type != "cpu":
+            self.warn("decode: --compile covers one model on a CPU, not an ensemble, --int8 "
+                      "or a GPU yet; decoding eagerly")
+            return self.model
+        from .compiled import StepDecoder
+
+        return StepDecoder(self.model, warn=self.warn)
 
     def _workers(self) -> ThreadPoolExecutor:
         """Threads that each search one batch at a time. On a CPU, W batches side by side with
@@ -383,11 +403,11 @@ class Translator:
                 uniforms = sentence_uniforms(options.seed,
                                              line_numbers or list(range(len(ids))),
                                              int(limits.max()))
-                return sample(self.model, src, uniforms, options.temperature, options.topk,
+                return sample(self.stepped, src, uniforms, options.temperature, options.topk,
                               options.topp, options.max_len_a, options.max_len_b,
                               longest=self.longest_output, cancelled=cancelled,
                               constraint=constraint, output_ids=output_ids)
-            return beam_search(self.model, src, beam=options.beam, alpha=options.alpha,
+            return beam_search(self.stepped, src, beam=options.beam, alpha=options.alpha,
                                max_len_a=options.max_len_a, max_len_b=options.max_len_b,
                                nbest=options.nbest, longest=self.longest_output,
                                constraint=constraint, stop=options.stop, cancelled=cancelled,
@@ -719,7 +739,7 @@ def search_workers(threads: int, workers: int, device: torch.device) -> tuple[in
 def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "auto",
                     dtype: str = "auto", threads: int = 0, workers: int = 0, warn=None,
                     constraint_for=None, int8: bool = False, target_lang: str | None = None,
-                    **options) -> Translator:
+                    compile: str = "off", **options) -> Translator:
     """A model file (a list of them: an ensemble) made ready to decode: the device (auto: a GPU
     when torch sees one), the precision (auto: bf16 on CUDA, fp32 on a CPU), the CPU threads (0:
     every core), how many batches are searched side by side (0: auto) and, with `int8`, the
@@ -751,7 +771,7 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
                                                            f"model file {paths[0]}"))
     return Translator(loaded, settings, chosen, inference_dtype(dtype, chosen), warn=warn,
                       constraint_for=constraint_for(loaded) if constraint_for else None,
-                      ensemble=ensemble, int8=int8)
+                      ensemble=ensemble, int8=int8, compile=compile)
 
 
 def run(translator: Translator, stream, out, name: str = "<stdin>", render=None,

@@ -8,7 +8,9 @@ and compiles once. Timed, the median of `--calls` calls after 20 untimed ones, i
 - `torch.compile(dynamic=False)` of the dense model with inductor's freezing (its own weight
   handling), and with `--cpp-wrapper` its C++ wrapper;
 - `torch.compile` of the packed model, each packed linear an opaque custom op (torch.library:
-  inductor cannot lower oneDNN's packed linear) so that inductor fuses what lies around them.
+  inductor cannot lower oneDNN's packed linear) so that inductor fuses what lies around them;
+- `attn decode --compile on`'s step (`attn_cli.compiled.StepDecoder`: the cache in
+  preallocated buffers written in place, dynamic shapes), uncompiled and compiled.
 Each compiled step's largest difference from the eager packed step's logits is printed, and
 with `--profile` torch.profiler's table of each (where the time goes, op by op).
 
@@ -141,6 +143,23 @@ def main() -> None:
             f"compiled {eager_ms / ms:.2f}x; max |logit difference| "
             f"{(logits - reference).abs().max().item():.2e}")
         steps[name] = compiled
+    # attn decode --compile on's step (compiled.StepDecoder): the cache in preallocated
+    # buffers written in place, dynamic shapes; its own prefill (the same tokens, greedy)
+    from attn_cli.compiled import StepDecoder
+
+    for name, compiled in (("preallocated cache, uncompiled", False),
+                           ("preallocated cache, compiled (attn decode --compile on)", True)):
+        stepper = StepDecoder(inference_model(loaded.model, cpu, linears="packed"), compiled)
+        step_tokens, step_cache = prefilled(stepper, src, args.beam, args.cached)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            stepper.decode_step(step_tokens, step_cache)
+        first_s = time.perf_counter() - started
+        ms, logits = timed(stepper.decode_step, step_tokens, step_cache, args.calls)
+        log(f"{name}: {ms:.3f} ms a step ({first_s:.1f} s the first); eager packed / it "
+            f"{eager_ms / ms:.2f}x; max |logit difference| "
+            f"{(logits - reference).abs().max().item():.2e}")
+        steps[name] = stepper.decode_step
     if args.profile:
         for name, step in steps.items():
             profiled(name, step, tokens, cache)

@@ -25,7 +25,8 @@ of the same run beside (target: within 0.3).
 
 `--shortlist FILE` (from `attn shortlist`): each beam timed again with `attn decode --shortlist`
 against CTranslate2 with the same shortlist as its vocabulary map (`use_vmap`), the full
-vocabulary's runs beside in the same run.
+vocabulary's runs beside in the same run. `--compile`: every configuration again with `attn
+decode --compile on` (its compile in the decode time, as a run of the command has it).
 
 Report on stderr (with the CPU model and ISA), one JSON object on stdout. Only the same-run
 ratios carry from one machine to another; the absolute figures are this machine's.
@@ -50,6 +51,8 @@ from benchmarks.machine import cpu_info
 CT2_RATIO_TARGET = 1.0  # attn / CTranslate2 output tokens/s
 STARTUP_TARGET_S = 0.3  # one-sentence decode wall - `import torch` wall
 ONE_SENTENCE = "A man is riding a bike down the street.\n"
+CONFIGURATIONS = {"shortlist": "attn --shortlist, CTranslate2 use_vmap",
+                  "compiled": "attn --compile on"}
 
 
 def decode(model: str, source: str, beam: int, extra: list[str]) -> dict:
@@ -114,6 +117,9 @@ def main() -> None:
                         "CTranslate2 int8, with attn's float32 BLEU for the difference.")
     parser.add_argument("--no-reference", action="store_true",
                         help="Skip CTranslate2 even if it is installed.")
+    parser.add_argument("--compile", action="store_true",
+                        help="Also time attn with --compile on (each configuration), the "
+                        "compile inside its decode time, as a user's run has it.")
     parser.add_argument("--shortlist", help="Also time attn with this `attn shortlist` file "
                         "(--shortlist) against CTranslate2 with the same shortlist as its "
                         "vocabulary map (use_vmap), each beam.")
@@ -154,11 +160,15 @@ def main() -> None:
             configurations.append(("-shortlist", extra + ["--shortlist", args.shortlist], True))
             if reference is not None:
                 reference.write_vmap(args.shortlist, args.model, ct2_dir)
+        if args.compile:  # each again with the step compiled, its compile time included
+            configurations += [(suffix + "-compiled", options + ["--compile", "on"], use_vmap)
+                               for suffix, options, use_vmap in configurations]
         for beam, (suffix, extra, use_vmap) in ((int(b), configuration)
                                                  for b in args.beams.split(",")
                                                  for configuration in configurations):
             if suffix:
-                log(f"beam {beam}, {suffix[1:]} (attn --shortlist, CTranslate2 use_vmap):")
+                said = ", ".join(CONFIGURATIONS[part] for part in suffix[1:].split("-"))
+                log(f"beam {beam}, {suffix[1:]} ({said}):")
             attn_runs, ct2_runs = [], []
             for _ in range(args.repeats):  # interleaved: both see the same machine
                 attn_runs.append(decode(args.model, source, beam, extra))
