@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batching import pad_sequences, source_budget, token_budget_batches
+from .batching import balanced_batches, pad_sequences, source_budget
 from .config import ALPHA_HIGHEST, MAX_LEN_A_HIGHEST, TEMPERATURE_RANGE, parse_langs
 from .controls import (
     NONE,
@@ -431,7 +431,8 @@ class Translator:
         if todo:
             ids = self.encode([lines[i] for i in todo], first_line, unit=unit)
             lengths = [len(sequence) for sequence in ids]
-            batches = token_budget_batches(lengths, self.options.source_budget)
+            batches = balanced_batches(lengths, self.options.source_budget,
+                                       self.options.workers)
             line_controls = [self.controls_of(lines[i], controls[i] if controls else NONE)
                              for i in todo]
 

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from attn_cli.batching import token_budget_batches
+from attn_cli.batching import balanced_batches
 from attn_cli.formats import (
     BATCH_TOKENS,
     BOS_ID,
@@ -91,11 +91,12 @@ def translate(ct2_dir: str, lines: list[str], beam: int, threads: int, layout: s
     eos, pad, bos = (SPECIAL_PIECES[id_] for id_ in (EOS_ID, PAD_ID, BOS_ID))
     sources = [[src_pieces[i] for i in ids[:MAX_SOURCE_TOKENS]] + [eos]
                for ids in src_vocab.encode(lines)]
-    # attn's own batches (sorted by length, sentences × longest ≤ batch_tokens / beam), each
-    # submitted on its own so that CT2's inter_threads workers take them side by side. CT2 has
-    # one output limit per call, not per sentence: the batch's longest a·|x| + b (sources in a
-    # batch differ by a token or two, being sorted by length).
-    batches = token_budget_batches([len(s) for s in sources], max(1, batch_tokens // beam))
+    # attn's own batches (sorted by length, sentences × longest ≤ batch_tokens / beam, cut
+    # evenly for the workers: `balanced_batches`), each submitted on its own so that CT2's
+    # inter_threads workers take them side by side. CT2 has one output limit per call, not per
+    # sentence: the batch's longest a·|x| + b (sources in a batch differ by a token or two,
+    # being sorted by length).
+    batches = balanced_batches([len(s) for s in sources], max(1, batch_tokens // beam), inter)
     pending = [translator.translate_batch(
         [sources[i] for i in batch], asynchronous=True, beam_size=beam,
         length_penalty=length_penalty, max_input_length=0,  # truncated above, as attn does

@@ -4,13 +4,20 @@ collation, the batch plan over processes, the resumable micro-batch stream."""
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
 import torch
 
 from attn_cli import batching
-from attn_cli.batching import collate, pad_sequences, token_batches, token_budget_batches
+from attn_cli.batching import (
+    balanced_batches,
+    collate,
+    pad_sequences,
+    token_batches,
+    token_budget_batches,
+)
 from attn_cli.data import ParallelData
 from attn_cli.formats import BOS_ID, EOS_ID, PAD_ID
 
@@ -143,6 +150,29 @@ def test_search_batches_hold_each_sentence_once_within_the_budget():
     # in length order (little padding), each batch as full as the budget allows
     assert [[lengths[i] for i in batch] for batch in batches] == [[1, 2, 3, 3], [5, 6], [7, 9],
                                                                 [12], [40]]
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4])
+def test_batches_for_several_workers_come_in_even_rounds(workers):
+    """As many batches as the budget needs, rounded up to a multiple of the workers, each
+    within the budget and the largest no larger than before: no last round of one short batch
+    with the other workers idle. One worker: the budget's batches unchanged."""
+    rng = random.Random(workers)
+    lengths = [rng.randint(3, 40) for _ in range(1000)]
+
+    def size(batch):
+        return len(batch) * max(lengths[i] for i in batch)
+
+    plain = token_budget_batches(lengths, 8000)
+    even = balanced_batches(lengths, 8000, workers)
+    assert len(even) % workers == 0 and len(plain) <= len(even) < len(plain) + workers
+    assert sorted(index for batch in even for index in batch) == list(range(len(lengths)))
+    assert max(map(size, even)) <= max(map(size, plain))
+    assert min(map(size, even)) > 0.8 * max(map(size, even))  # even, to a sentence or two
+    assert min(map(size, plain)) < 0.5 * max(map(size, plain))  # where plain had a short one
+    assert balanced_batches(lengths, 8000, 1) == plain
+    assert balanced_batches([5, 6], 8000, 2) == [[0], [1]]  # two workers, one sentence each
+    assert balanced_batches([5], 8000, 2) == [[0]]
 
 
 def test_pad_sequences_left_aligns_and_pads():
