@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from .devices import PackedLinear
-from .model import Transformer, attention_written_out
+from .model import Transformer, attention_written_out, reordered
 
 CAPACITY_STEP = 16  # positions a cache grows by: a graph's shapes change this seldom
 
@@ -96,9 +96,9 @@ def inductor_cache_dir() -> None:
 class StepCache:
     """`model.DecoderCache`'s counterpart for `StepDecoder`: per layer the self-attention
     keys and values in buffers of `capacity` positions (N', H, C, d), the first `step`
-    written; `rows`, which of those N' rows the next step continues (None: all, in order),
-    applied by that step; `mask` (C,), 0 at the positions written, -inf after. The source side
-    (src_mask, memory_kv) and `output` as in `DecoderCache`."""
+    written; `self_rows`, which of those N' rows the next step continues (None: all, in
+    order), applied by that step; `mask` (C,), 0 at the positions written, -inf after. The
+    source side (src_mask, memory_kv) and `output` as in `DecoderCache`."""
 
     src_mask: Tensor
     memory_kv: tuple[tuple[Tensor, Tensor], ...]
@@ -106,19 +106,13 @@ class StepCache:
     values: tuple[Tensor, ...]
     mask: Tensor
     step: int = 0
-    rows: Tensor | None = None
+    self_rows: Tensor | None = None
     output: object = None
 
     def reorder(self, rows: Tensor, sources: Tensor | None = None) -> "StepCache":
         """As `DecoderCache.reorder`: continue hypothesis rows `rows` of the sentences
         `sources` (None: the same ones); the self-attention rows are gathered by the next step."""
-        rows = rows if self.rows is None else self.rows.index_select(0, rows)
-        if sources is None:
-            return dataclasses.replace(self, rows=rows)
-        memory_kv = tuple((k.index_select(0, sources), v.index_select(0, sources))
-                          for k, v in self.memory_kv)
-        return dataclasses.replace(self, src_mask=self.src_mask.index_select(0, sources),
-                                   memory_kv=memory_kv, rows=rows)
+        return reordered(self, rows, sources)
 
 
 def static_step(model: Transformer, tokens: Tensor, position_row: Tensor, rows: Tensor,
@@ -197,7 +191,7 @@ class StepDecoder:
         step = cache.step
         mask = cache.mask.clone()  # the old cache's mask stays as it was
         mask[step] = 0.0
-        rows = cache.rows if cache.rows is not None else \
+        rows = cache.self_rows if cache.self_rows is not None else \
             torch.arange(cache.keys[0].shape[0], device=tokens.device)
         position = torch.tensor([step], device=tokens.device)
         position_row = self.model.positions(step, 1).clone()  # a view's offset: one more guard
@@ -207,7 +201,7 @@ class StepDecoder:
         logits = self.model.step_logits(hidden) if cache.output is None else \
             cache.output(hidden)
         return logits, dataclasses.replace(cache, keys=keys, values=values, mask=mask,
-                                           step=step + 1, rows=None)
+                                           step=step + 1, self_rows=None)
 
     def _run(self, arguments):
         if self._step is not None:

@@ -392,13 +392,20 @@ class DecoderCache:
         source sentences `sources` (B',) (dropping finished ones; None: the same sources). The
         new rows must come in G = N'/B' consecutive rows per source, in the order of `sources`.
         Only source-side tensors are copied now, and only when `sources` is given."""
-        rows = rows if self.self_rows is None else self.self_rows.index_select(0, rows)
-        if sources is None:
-            return dataclasses.replace(self, self_rows=rows)
-        memory_kv = tuple((k.index_select(0, sources), v.index_select(0, sources))
-                          for k, v in self.memory_kv)
-        return dataclasses.replace(self, src_mask=self.src_mask.index_select(0, sources),
-                                   memory_kv=memory_kv, self_rows=rows)
+        return reordered(self, rows, sources)
+
+
+def reordered(cache, rows: Tensor, sources: Tensor | None):
+    """`DecoderCache.reorder` of any cache with its fields src_mask, memory_kv and self_rows
+    (`compiled.StepCache` too): the rows to continue composed with those still pending, the
+    source side selected now."""
+    rows = rows if cache.self_rows is None else cache.self_rows.index_select(0, rows)
+    if sources is None:
+        return dataclasses.replace(cache, self_rows=rows)
+    memory_kv = tuple((k.index_select(0, sources), v.index_select(0, sources))
+                      for k, v in cache.memory_kv)
+    return dataclasses.replace(cache, src_mask=cache.src_mask.index_select(0, sources),
+                               memory_kv=memory_kv, self_rows=rows)
 
 
 class OutputSubset:
