@@ -123,7 +123,8 @@ def static_step(model: Transformer, tokens: Tensor, position_row: Tensor, rows: 
     output projection): tokens (N,) at `position` (a (1,) tensor; its embedding row
     `position_row` (1, D)); hypothesis n extends row rows[n] of the cache buffers (N', H, C,
     d). Returns the decoder's output (N, D) and the new buffers (N, H, C, d), position written.
-    Every size is a tensor's, no Python number changes from step to step: one graph."""
+    Every size is a tensor's, no Python number changes from step to step: a graph serves
+    every step."""
     x = (model.tgt_embed(tokens) * model.embed_scale + position_row)[:, None]  # (N, 1, D)
     count = x.shape[0]
     new_keys, new_values = [], []
