@@ -97,14 +97,13 @@ class StepCache:
     """`model.DecoderCache`'s counterpart for `StepDecoder`: per layer the self-attention
     keys and values in buffers of `capacity` positions (N', H, C, d), the first `step`
     written; `self_rows`, which of those N' rows the next step continues (None: all, in
-    order), applied by that step; `mask` (C,), 0 at the positions written, -inf after. The
-    source side (src_mask, memory_kv) and `output` as in `DecoderCache`."""
+    order), applied by that step. The source side (src_mask, memory_kv) and `output` as in
+    `DecoderCache`."""
 
     src_mask: Tensor
     memory_kv: tuple[tuple[Tensor, Tensor], ...]
     keys: tuple[Tensor, ...]
     values: tuple[Tensor, ...]
-    mask: Tensor
     step: int = 0
     self_rows: Tensor | None = None
     output: object = None
@@ -178,20 +177,19 @@ class StepDecoder:
                      for _ in self.model.decoder_layers)
         values = tuple(memory.new_zeros(batch, config.heads, CAPACITY_STEP, config.d_v)
                        for _ in self.model.decoder_layers)
-        mask = torch.full((CAPACITY_STEP,), -math.inf, device=memory.device,
-                          dtype=start.src_mask.dtype)
         # src_mask contiguous: as padding_mask makes it, a slice of an aligned buffer, its
         # stride would be one more size for the graph to guard on
-        return StepCache(start.src_mask.contiguous(), start.memory_kv, keys, values, mask,
+        return StepCache(start.src_mask.contiguous(), start.memory_kv, keys, values,
                          output=start.output)
 
     def decode_step(self, tokens: Tensor, cache: StepCache) -> tuple[Tensor, StepCache]:
         """`Transformer.decode_step`'s contract, through `static_step`."""
-        if cache.step == cache.mask.shape[0]:
+        if cache.step == cache.keys[0].shape[2]:
             cache = grown(cache)
-        step = cache.step
-        mask = cache.mask.clone()  # the old cache's mask stays as it was
-        mask[step] = 0.0
+        step, capacity = cache.step, cache.keys[0].shape[2]
+        # 0 at the positions written (this step's included), -inf at those not yet
+        mask = torch.full((capacity,), -math.inf, device=tokens.device, dtype=cache.src_mask.dtype)
+        mask[:step + 1] = 0.0
         rows = cache.self_rows if cache.self_rows is not None else \
             torch.arange(cache.keys[0].shape[0], device=tokens.device)
         position = torch.tensor([step], device=tokens.device)
@@ -201,8 +199,8 @@ class StepDecoder:
         hidden, keys, values = self._run(arguments)
         logits = self.model.step_logits(hidden) if cache.output is None else \
             cache.output(hidden)
-        return logits, dataclasses.replace(cache, keys=keys, values=values, mask=mask,
-                                           step=step + 1, self_rows=None)
+        return logits, dataclasses.replace(cache, keys=keys, values=values, step=step + 1,
+                                           self_rows=None)
 
     def _run(self, arguments):
         if self._step is not None:
@@ -216,14 +214,13 @@ class StepDecoder:
 
 
 def grown(cache: StepCache) -> StepCache:
-    """`cache` with CAPACITY_STEP more positions in every buffer (masked out)."""
+    """`cache` with CAPACITY_STEP more positions in every buffer."""
     def pad(buffer: Tensor) -> Tensor:
         return torch.cat([buffer, buffer.new_zeros(*buffer.shape[:2], CAPACITY_STEP,
                                                    buffer.shape[3])], dim=2)
 
-    mask = torch.cat([cache.mask, cache.mask.new_full((CAPACITY_STEP,), -math.inf)])
     return dataclasses.replace(cache, keys=tuple(map(pad, cache.keys)),
-                               values=tuple(map(pad, cache.values)), mask=mask)
+                               values=tuple(map(pad, cache.values)))
 
 
 def one_line(error: Exception) -> str:

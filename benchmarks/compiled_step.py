@@ -27,34 +27,19 @@ import time
 
 import torch
 
+from attn_cli.compiled import StepDecoder, through_custom_op
 from attn_cli.devices import PackedLinear, inference_model
 from attn_cli.modelfile import load_model
 from benchmarks._harness import log
 from benchmarks.machine import cpu_info
 
-PACKED: dict[int, tuple] = {}  # the custom op's packed weights, by key
-
-
-@torch.library.custom_op("attn_benchmarks::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
-    packed, bias, activation = PACKED[key]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, activation, [], "")
-
-
-@packed_linear.register_fake
-def _(x, key, out_features):
-    return x.new_empty(*x.shape[:-1], out_features)
-
 
 def as_custom_ops(model) -> None:
-    """Every PackedLinear of `model` through `packed_linear`, opaque to the compiler."""
+    """Every PackedLinear of `model` through attn's `attn::packed_linear`, opaque to the
+    compiler (`attn_cli.compiled.through_custom_op`, what `--compile on` does)."""
     for module in model.modules():
         if isinstance(module, PackedLinear):
-            key = len(PACKED)
-            PACKED[key] = (module.packed, module.bias, module.activation)
-            out_features = module.packed.size(0)
-            module.forward = (lambda k, n: lambda x: torch.ops.attn_benchmarks.packed_linear(
-                x, k, n))(key, out_features)
+            through_custom_op(module)
 
 
 def prefilled(model, src: torch.Tensor, beam: int, cached: int):
@@ -145,8 +130,6 @@ def main() -> None:
         steps[name] = compiled
     # attn decode --compile on's step (compiled.StepDecoder): the cache in preallocated
     # buffers written in place, dynamic shapes; its own prefill (the same tokens, greedy)
-    from attn_cli.compiled import StepDecoder
-
     for name, compiled in (("preallocated cache, uncompiled", False),
                            ("preallocated cache, compiled (attn decode --compile on)", True)):
         stepper = StepDecoder(inference_model(loaded.model, cpu, linears="packed"), compiled)
