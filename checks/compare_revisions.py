@@ -3,10 +3,11 @@ for byte and bit for bit, then decoding and training timed side by side.
 
 A baseline git revision (checked out as a worktree under --work) and a candidate checkout (by
 default the one this script lives in) each run every case (`*_cases` below, one function per
-group: data, training, averaging, help and dry runs, decoding and scoring, parsing, errors)
-through their own `python -m attn_cli` (PYTHONPATH set to the checkout, verified at start-up), in
-a directory of their own with the same relative file names (<work>/out-baseline/CASE,
-<work>/out-candidate/CASE; each command's stdout and stderr are kept in <work>/logs-*). Then:
+group: data, training, averaging, help and dry runs, decoding and scoring, decoding under a
+user's control, parsing, errors) through their own `python -m attn_cli` (PYTHONPATH set to the
+checkout, verified at start-up), in a directory of their own with the same relative file names
+(<work>/out-baseline/CASE, <work>/out-candidate/CASE; each command's stdout and stderr are kept in
+<work>/logs-*). Then:
 
 - stdout byte for byte; exit codes; stderr's `error:`/`warning:` lines (the whole stderr for the
   error cases), with each checkout's own directories replaced by placeholders and durations and
@@ -468,7 +469,8 @@ def help_and_dry_run_cases(inp: Inputs) -> list[Case]:
         ["train", *[str(inp.fx / "train.st") if o == "{train}" else o for o in options],
          "--dry-run"])]) for name, options in DRY_RUNS.items()]
     for command in ([], ["vocab"], ["binarize"], ["train"], ["average"], ["decode"], ["score"],
-                    ["parse"], ["parse", "linearize"], ["export", "ct2"], ["plot"]):
+                    ["parse"], ["parse", "linearize"], ["export", "ct2"], ["export", "hf"],
+                    ["import", "hf"], ["shortlist"], ["serve"], ["plot"]):
         cases.append(Case("help" + "".join(f"-{word}" for word in command), "help",
                           lambda out, command=command: [Step([*command, "--help"])]))
     cases.append(Case("version", "help", lambda out: [Step(["--version"])]))
@@ -527,6 +529,119 @@ def decode_cases(inp: Inputs) -> list[Case]:
         device = ["--device", "cpu", "--threads", THREADS] if "-m" in args else []
         cases.append(Case(name, "score", lambda out, args=args, device=device: [
             Step(["score", *args, *device])]))
+    return cases
+
+
+# Glossary terms and banned phrases of the control cases: words common in Multi30k's tests.
+GLOSSARY = b"""# source<TAB>target
+man\tHerr
+dog\tHund
+two\tzwei
+street\tStra\xc3\x9fe
+red shirt\trotes Hemd
+"""
+BANS = b"# one phrase per line\nMann\nein Hund\n"
+
+
+def control_inputs(inp: Inputs, out: Path, lines: int) -> dict[str, Path]:
+    """The first `lines` test sentences laid out as each control option reads them: with a
+    prefix (the reference's first two words), with constraints (its longest word, and a second
+    phrase every fourth line), both, paragraphs of two sentences; the glossary and bans."""
+    sources = inp.test_en.read_text(encoding="utf-8").split("\n")[:lines]
+    references = inp.test_de.read_text(encoding="utf-8").split("\n")[:lines]
+    prefixed, constrained, both = [], [], []
+    for number, (source, reference) in enumerate(zip(sources, references)):
+        words = reference.split()
+        prefix = " ".join(words[:2])
+        phrases = [max(words, key=len)] + ([" ".join(words[-2:])] if number % 4 == 0 else [])
+        prefixed.append(f"{source}\t{prefix}" if number % 3 else source)  # some without
+        constrained.append("\t".join([source, *phrases]))
+        both.append("\t".join([source, prefix if number % 2 else "", *phrases]))
+    paragraphs = [" ".join(sources[i:i + 2]) for i in range(0, len(sources), 2)]
+    paragraphs[1:1] = ["", "   "]  # an empty and a blank line stay as they are
+    made = {"prefix": prefixed, "constraints": constrained, "both": both,
+            "paragraphs": paragraphs}
+    paths = {name: out / f"{name}.txt" for name in made}
+    for name, texts in made.items():
+        paths[name].write_text("\n".join(texts) + "\n", encoding="utf-8")
+    (out / "glossary.tsv").write_bytes(GLOSSARY)
+    (out / "bans.txt").write_bytes(BANS)
+    return {**paths, "glossary": out / "glossary.tsv", "bans": out / "bans.txt"}
+
+
+def control_cases(inp: Inputs) -> list[Case]:
+    """7b: decoding under a user's control and faster decoding (attn_cli/decode/): prefixes,
+    constraints, glossaries, bans, shortlists, split sentences, alignments, target tags,
+    --int8, --compile, on the first 200 test lines (40 with --quick), and their refusals."""
+    lines = 40 if inp.quick else 200
+    shortlist = inp.fx / "shortlist.st"
+    table = [  # name, options, the input (a key of control_inputs, or "plain")
+        ("prefix", ["--prefix"], "prefix"),
+        ("prefix-nbest3", ["--prefix", "--nbest", "3"], "prefix"),
+        ("prefix-greedy", ["--prefix", "--beam", "1"], "prefix"),
+        ("prefix-sample", ["--prefix", "--sample", "--seed", "5"], "prefix"),
+        ("constraints", ["--constraints"], "constraints"),
+        ("constraints-all", ["--constraints", "--constraint-search", "all"], "constraints"),
+        ("constraints-greedy", ["--constraints", "--beam", "1"], "constraints"),
+        ("constraints-nbest2", ["--constraints", "--nbest", "2"], "constraints"),
+        ("prefix-constraints", ["--prefix", "--constraints"], "both"),
+        ("glossary", ["--glossary", "{glossary}"], "plain"),
+        ("glossary-split", ["--glossary", "{glossary}", "--split-sentences"], "paragraphs"),
+        ("ban", ["--ban", "{bans}"], "plain"),
+        ("ban-sample", ["--ban", "{bans}", "--sample"], "plain"),
+        ("glossary-ban-prefix", ["--glossary", "{glossary}", "--ban", "{bans}", "--prefix"],
+         "prefix"),
+        ("shortlist", ["--shortlist", shortlist], "plain"),
+        ("shortlist-greedy", ["--shortlist", shortlist, "--beam", "1"], "plain"),
+        ("shortlist-sample", ["--shortlist", shortlist, "--sample"], "plain"),
+        ("shortlist-constraints", ["--shortlist", shortlist, "--constraints"], "constraints"),
+        ("shortlist-ban-prefix", ["--shortlist", shortlist, "--ban", "{bans}", "--prefix"],
+         "prefix"),
+        ("split-sentences", ["--split-sentences"], "paragraphs"),
+        ("split-alignment", ["--split-sentences", "--alignment"], "paragraphs"),
+        ("alignment", ["--alignment"], "plain"),
+        ("alignment-nbest2", ["--alignment", "--nbest", "2"], "plain"),
+        ("int8", ["--int8"], "plain"),
+        ("int8-constraints", ["--int8", "--constraints"], "constraints"),
+        ("compile", ["--compile", "on", "--beam", "1"], "plain"),
+    ]
+    cases = []
+    for name, options, source in table:
+        def steps(out: Path, options=options, source=source) -> list[Step]:
+            made = control_inputs(inp, out, lines)
+            stdin = head(inp.test_en, lines, out) if source == "plain" else made[source]
+            return [Step(["decode", "-m", inp.model, "--device", "cpu", "--threads", THREADS,
+                          *[made[str(o)[1:-1]] if str(o).startswith("{") else o
+                            for o in options]], stdin=stdin)]
+        cases.append(Case(f"control-{name}", "control", steps, may_refuse="--int8" in options))
+    refused = [  # name, options, input: each one `error:` line
+        ("split-prefix", ["--split-sentences", "--prefix"], b"a\tb\n"),
+        ("attention-constraints", ["--constraints", "--attention", "x.st"], b"a\tb\n"),
+        ("sample-glossary", ["--sample", "--glossary", "{glossary}"], b"a\n"),
+        ("empty-constraint", ["--constraints"], b"A man.\tHerr\t\n"),
+        ("prefix-two-tabs", ["--prefix"], b"A man.\tEin\tMann\n"),
+        ("prefix-outside-vocabulary", ["--prefix"], "A man.\t\u2603\u2603\n".encode()),
+        ("glossary-outside-vocabulary", ["--glossary", "{bad_glossary}"], b"A man.\n"),
+        ("glossary-malformed", ["--glossary", "{bans}"], b"A man.\n"),
+        ("ban-empty", ["--ban", "{empty}"], b"A man.\n"),
+        ("ban-missing", ["--ban", "{missing}"], b"A man.\n"),
+        ("shortlist-missing", ["--shortlist", "{missing}"], b"A man.\n"),
+        ("shortlist-not-one", ["--shortlist", "{glossary}"], b"A man.\n"),
+        ("shortlist-other-vocabulary", ["--shortlist", inp.fx / "shortlist-parser.st"],
+         b"A man.\n"),
+        ("alignment-raw", ["--alignment", "--raw"], b"A man.\n"),
+    ]
+    for name, options, stdin in refused:
+        def error_steps(out: Path, name=name, options=options, stdin=stdin) -> list[Step]:
+            made = control_inputs(inp, out, 4)
+            (out / "bad_glossary.tsv").write_text("man\t\u2603\n", encoding="utf-8")
+            (out / "empty.txt").write_text("# nothing\n\n", encoding="utf-8")
+            made.update(bad_glossary=out / "bad_glossary.tsv", empty=out / "empty.txt",
+                        missing=out / "absent.txt")
+            return [Step(["decode", "-m", inp.model, "--device", "cpu", "--threads", THREADS,
+                          *[made[str(o)[1:-1]] if str(o).startswith("{") else o
+                            for o in options]], stdin=stdin)]
+        cases.append(Case(f"error-control-{name}", "errors", error_steps, errors=True))
     return cases
 
 
@@ -739,6 +854,8 @@ def make_inputs(base: Checkout, inp: Inputs) -> None:
             ["binarize", "--vocab", fx / "spm.model", data / f"{split}.en", data / f"{split}.de",
              "-o", fx / f"{split}.st", "--threads", THREADS]), f"{split}.st")
     make_decode_models(base, inp)
+    once(fx / "shortlist.st", lambda: base.must(
+        ["shortlist", fx / "train.st", "-o", fx / "shortlist.st"]), "the vocabulary shortlist")
     once(inp.hyp, lambda: atomic_write(inp.hyp, base.must(
         ["decode", "-m", inp.model, "--device", "cpu", "--threads", THREADS],
         stdin=inp.test_en).stdout), "the hypotheses to score")
@@ -753,6 +870,9 @@ def make_inputs(base: Checkout, inp: Inputs) -> None:
         once(inp.parser(terminals) / "parser.st",
              lambda terminals=terminals: train_parser(base, inp.parser(terminals), terminals),
              f"the toy parser with {terminals} terminals")
+    once(fx / "shortlist-parser.st", lambda: base.must(  # another vocabulary's
+        ["shortlist", inp.parser("words") / "train.st", "-o", fx / "shortlist-parser.st"]),
+        "a shortlist of the toy parser's vocabulary")
     make_ptb_dev(base, inp)
     for terminals, options in (("words", ["--constrain"]), ("placeholders", [])):
         parser = ["parse", "-m", inp.parser(terminals) / "parser.st", "--beam", "4", *options,
@@ -1076,7 +1196,7 @@ def main() -> int:
 
     cases = [*vocab_cases(inp), *train_cases(inp),
              *average_cases(inp, base.out / "train" / "run"), *help_and_dry_run_cases(inp),
-             *decode_cases(inp), *parse_cases(inp), *error_cases(inp)]
+             *decode_cases(inp), *control_cases(inp), *parse_cases(inp), *error_cases(inp)]
     if args.only:
         cases = [case for case in cases
                  if any(fnmatch.fnmatch(case.name, pattern) for pattern in args.only)]
