@@ -12,7 +12,8 @@ their modules on first use.
 
 __version__ = "0.1.0"
 
-_LAZY = {"load_translator": "translate", "Translator": "translate", "DecodeOptions": "translate",
+_LAZY = {"load_translator": "decode.translator", "Translator": "decode.translator",
+         "DecodeOptions": "decode.options",
          "load_model": "modelfile", "beam_search": "search"}
 __all__ = ["__version__", *_LAZY]
 

@@ -58,7 +58,7 @@ def attention_maps(model, sources: list[list[int]], outputs: list[list[int]],
 
 
 def recording_render(translator, writer: "AttentionWriter"):
-    """A render for `translate.run` (`attn decode --attention`): the lines decode prints, and
+    """A render for `decode.pipe.run` (`attn decode --attention`): the lines decode prints, and
     the attention maps of each line's best output added to `writer`."""
     from .ensemble import Ensemble
 

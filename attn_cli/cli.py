@@ -552,8 +552,8 @@ def shortlist(
     """A vocabulary shortlist for `attn decode --shortlist` (Marian's lexical shortlist): each
     source piece's most probable target pieces by IBM model 1, learned from a data file."""
     from .data import ParallelData
+    from .decode.shortlist import build, ibm_model1
     from .files import atomic_output
-    from .shortlist import build, ibm_model1
 
     started = time.perf_counter()
     data = ParallelData(data_path)
@@ -697,15 +697,12 @@ def decode(
 ) -> None:
     """Translate stdin to stdout with beam search (paper §6.1), or by sampling: one line out
     per line in."""
-    from .translate import (
-        check_alignment,
-        check_split_sentences,
-        load_translator,
-        sentence_language,
-    )
+    from .decode.pipe import check_alignment, check_split_sentences, sentence_language
+    from .decode.translator import load_translator
 
     check_split_sentences(split_sentences, source_lang, nbest, attention is not None)
-    from .translate import check_controls, use_controls
+    from .decode.pipe import check_controls
+    from .decode.translator import use_controls
 
     check_controls(prefix, constraints, split_sentences, attention is not None, sample,
                    glossary is not None)
@@ -727,7 +724,7 @@ def decode(
             log(f"decode: warning: {note}")
     use_controls(translator, glossary, ban)
     if shortlist_path is not None:
-        from .translate import use_shortlist
+        from .decode.translator import use_shortlist
 
         use_shortlist(translator, shortlist_path)
     loaded_in = time.perf_counter() - started
@@ -894,7 +891,7 @@ def serve(
                            metrics_auth_token=metrics_auth_token or None)
     options.check_defaults(beam, max_len_b)
     # Read now: a bad line is an error before the server starts, not at a model's load.
-    from .glossary import Glossary
+    from .decode.glossary import Glossary
 
     terms = Glossary.read(glossary) if glossary is not None else None
     if ban is not None:
@@ -903,12 +900,12 @@ def serve(
         check_readable(ban, "ban file")
     shortlist = None
     if shortlist_path is not None:
-        from .shortlist import Shortlist
+        from .decode.shortlist import Shortlist
 
         shortlist = Shortlist.load(shortlist_path)
 
     def load(files: list[Path]):
-        from .translate import load_translator, use_controls, use_shortlist
+        from .decode.translator import load_translator, use_controls, use_shortlist
 
         translator = load_translator(files, beam, device=device.value, dtype=dtype.value,
                                      threads=threads, workers=workers, warn=log, alpha=alpha,
@@ -937,9 +934,9 @@ def _stream(translator, input_path: str, strict: bool, render=None,
             alignment: bool = False, alignment_layer: int | None = None,
             prefix: bool = False, constraints: bool = False):
     """Lines of `input_path` through the translator to stdout, one (or nbest) out per line in
-    (`translate.run`)."""
+    (`decode.pipe.run`)."""
+    from .decode.pipe import run
     from .files import display_name, open_binary
-    from .translate import run
 
     _collector_on(loaded=True)
     out = _text_stdout()
@@ -1100,9 +1097,9 @@ def parse(
         return
     if model_path is None:
         raise AttnError("parse needs -m PARSER.st (or the subcommand `linearize`)")
+    from .decode.translator import load_translator
     from .parse.constraint import tree_constraints
     from .parse.parsing import tree_line
-    from .translate import load_translator
 
     started = time.perf_counter()
     translator = load_translator(model_path, beam, device=device.value, dtype=dtype.value,

@@ -372,9 +372,9 @@ def parse_interval(text: str) -> tuple[float, str]:
 
 # ---------------------------------------------------------------------- search settings' bounds
 # The highest values of the search settings that nothing else bounds, for every caller
-# (translate.RANGES checks them; the commands' options name them): each keeps the search's
-# arithmetic finite and its work bounded. Here, not in translate.py, so that the commands read
-# them without importing torch.
+# (decode/options.py's RANGES checks them; the commands' options name them): each keeps the
+# search's arithmetic finite and its work bounded. Here, not in decode/options.py, so that the
+# commands read them without importing torch.
 
 # Outputs of up to 10 × the source's tokens (+ b): a target written in much smaller pieces than
 # its source needs 2-4 ×; the most steps a search can then take is 10 × 1023 + b.

@@ -203,8 +203,7 @@ def score_with_model(model_paths: list, sources: list[str], targets: list[str],
     translates (`warn` says when a model of several target languages is given none)."""
     from .devices import resolve_dtype
     from .ensemble import load_models
-    from .tags import untagged_note
-    from .translate import target_tags
+    from .tags import target_tags, untagged_note
 
     models, chosen, _ = load_models(model_paths, device, threads)
     tags = target_tags(models[0].src_vocab, target_lang, f"model file {model_paths[0]}")

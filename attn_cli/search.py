@@ -116,8 +116,9 @@ def start_decoding(model: SearchModel, memory: Tensor, src_mask: Tensor,
 
 class Constraint(Protocol):
     """Which tokens each hypothesis may take next (`Unconstrained`, below, parsing's
-    `attn_cli.parse.constraint.TreeConstraint`, or decode's `attn_cli.prefix.PrefixConstraint`).
-    Its state holds a (B', K) row per live hypothesis: B' sentences still searching, K beams."""
+    `attn_cli.parse.constraint.TreeConstraint`, or decode's
+    `attn_cli.decode.prefix.PrefixConstraint`). Its state holds a (B', K) row per live
+    hypothesis: B' sentences still searching, K beams."""
 
     eos_column: int  # where EOS is among the candidates' columns
 

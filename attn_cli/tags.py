@@ -148,6 +148,12 @@ def tag_ids(vocabulary, target: str | None, others: Sequence[str] = (), where: s
     return ids
 
 
+def target_tags(vocabulary, lang: str | None, where: str,
+                option: str = "--target-lang") -> tuple[int, ...]:
+    """The ids of target language `lang`'s tag in `vocabulary` (none for None)."""
+    return tuple(tag_ids(vocabulary, lang, where=where, target_option=option))
+
+
 @dataclass(frozen=True)
 class SourceTags:
     """What `attn binarize --target-tag fr --tag bt` puts before every source sentence: the ids,

@@ -175,7 +175,8 @@ def prepare(translator, lines: list[str], references: list[str]):
     of each source piece, the reference's target ids and the word of each target piece; and the
     indices of the pairs whose words attn counts as the whitespace does (the others can't be
     compared with the reference)."""
-    from attn_cli.alignment import clamped, piece_words, source_pieces, word_spans
+    from attn_cli.alignment import clamped, piece_words, word_spans
+    from attn_cli.decode.alignment import source_pieces
 
     src_vocab, tgt_vocab = translator.src_vocab, translator.tgt_vocab
     sources, targets = src_vocab.encode(lines), tgt_vocab.encode(references)
@@ -229,8 +230,9 @@ def attention_grid(translator, sources, targets, source_words, target_words,
     batches `alignment.align` makes."""
     import torch
 
-    from attn_cli.alignment import alignment_attention, word_pairs
+    from attn_cli.alignment import word_pairs
     from attn_cli.batching import collate_pairs
+    from attn_cli.decode.alignment import alignment_attention
 
     model, config = translator.model, translator.config
     layers, heads = config.decoder_layers, config.heads
@@ -268,7 +270,7 @@ def default_choice(config) -> tuple[int, list[int] | None]:
     """The layer (from 0) and heads (None: all) `attn decode --alignment` reads by default
     (`alignment.chosen_heads`: a guided-alignment model's supervised head, else
     `alignment.default_layer`'s heads averaged)."""
-    from attn_cli import alignment
+    from attn_cli.decode import alignment
 
     layer, heads = alignment.chosen_heads(config)
     return layer, None if heads is None else list(heads)
@@ -347,8 +349,8 @@ def main(argv: list[str] | None = None) -> None:
     if len(gold) < count:
         raise SystemExit(f"the reference has {len(gold)} lines, {count} to score")
 
-    from attn_cli import alignment
-    from attn_cli.translate import load_translator
+    from attn_cli.decode import alignment
+    from attn_cli.decode.translator import load_translator
 
     clock = time.perf_counter()
     translator = load_translator(args.model, device="cpu", threads=args.threads)

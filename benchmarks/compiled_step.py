@@ -9,7 +9,7 @@ and compiles once. Timed, the median of `--calls` calls after 20 untimed ones, i
   handling), and with `--cpp-wrapper` its C++ wrapper;
 - `torch.compile` of the packed model, each packed linear an opaque custom op (torch.library:
   inductor cannot lower oneDNN's packed linear) so that inductor fuses what lies around them;
-- `attn decode --compile on`'s step (`attn_cli.compiled.StepDecoder`: the cache in
+- `attn decode --compile on`'s step (`attn_cli.decode.compiled.StepDecoder`: the cache in
   preallocated buffers written in place, dynamic shapes), uncompiled and compiled.
 Each compiled step's largest difference from the eager packed step's logits is printed, and
 with `--profile` torch.profiler's table of each (where the time goes, op by op).
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from attn_cli.compiled import StepDecoder, through_custom_op
+from attn_cli.decode.compiled import StepDecoder, through_custom_op
 from attn_cli.devices import PackedLinear, inference_model
 from attn_cli.modelfile import load_model
 from benchmarks._harness import log
@@ -36,7 +36,7 @@ from benchmarks.machine import cpu_info
 
 def as_custom_ops(model) -> None:
     """Every PackedLinear of `model` through attn's `attn::packed_linear`, opaque to the
-    compiler (`attn_cli.compiled.through_custom_op`, what `--compile on` does)."""
+    compiler (`attn_cli.decode.compiled.through_custom_op`, what `--compile on` does)."""
     for module in model.modules():
         if isinstance(module, PackedLinear):
             through_custom_op(module)

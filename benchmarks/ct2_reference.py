@@ -54,8 +54,8 @@ def convert(model_path: str, output_dir: str) -> str:
 def write_vmap(shortlist_path: str, model_path: str, ct2_dir: str) -> None:
     """The attn shortlist as CTranslate2's vocabulary map, where its Translator reads one
     (vmap.txt in the model directory), so that both decoders keep the same candidates."""
+    from attn_cli.decode.shortlist import Shortlist
     from attn_cli.modelfile import load_model
-    from attn_cli.shortlist import Shortlist
 
     loaded = load_model(model_path)
     lines = Shortlist.load(shortlist_path).vmap_lines(loaded.src_vocab, loaded.tgt_vocab)

@@ -28,8 +28,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from attn_cli.decode.sentences import split_texts
 from attn_cli.formats import BOS_ID, MAX_SOURCE_TOKENS, PAD_ID, SPECIAL_PIECES, TRANSLATION
-from attn_cli.sentences import split_texts
 from attn_cli.vocab import Vocabulary
 
 

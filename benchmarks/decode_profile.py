@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--write", help="Write the outputs here.")
     args = parser.parse_args()
 
-    from attn_cli.translate import load_translator
+    from attn_cli.decode.translator import load_translator
 
     torch.set_num_threads(1)
     options = {} if args.alpha is None else {"alpha": args.alpha}

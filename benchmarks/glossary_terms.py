@@ -15,9 +15,9 @@ says what forcing right terms does, not what a user's glossary would.
 
 What it reports:
 - term use: over every (line, term) pair where the glossary finds the term in the source line
-  (`attn_cli.glossary.Glossary.matches`, what decode forces), the share of outputs holding the
-  target term as a whole word (case-sensitive; word characters not on either side), without
-  and with `--glossary` (target: 100% with), and how many lines have a term;
+  (`attn_cli.decode.glossary.Glossary.matches`, what decode forces), the share of outputs
+  holding the target term as a whole word (case-sensitive; word characters not on either
+  side), without and with `--glossary` (target: 100% with), and how many lines have a term;
 - BLEU (sacreBLEU, 13a) and chrF of the whole test set without and with the glossary, and with
   `--constraint-search all` (every line with terms searched with them, not only those whose
   free output misses one);
@@ -201,9 +201,9 @@ def diagnose(model: str, missed: list[tuple[int, str]], sources: list[str],
     the free search (the real CLI again, on the missed lines: fp32 on a CPU does not depend on
     the batching), the term's pieces as the vocabulary cuts it alone (what decode forces), and
     the output's length limit."""
+    from attn_cli.decode.translator import load_translator
     from attn_cli.formats import TRANSLATION
     from attn_cli.search import max_output_length
-    from attn_cli.translate import load_translator
 
     lines = sorted({line for line, _ in missed})
     texts = [sources[line] for line in lines]
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import sacrebleu
 
-    from attn_cli.glossary import Glossary
+    from attn_cli.decode.glossary import Glossary
 
     started = time.perf_counter()
     cpu, isa = cpu_info()

@@ -116,7 +116,7 @@ def search_time_alone(model: str, beam: int, sentence: str, repeats: int = 20) -
     server worker's), the model loaded and warmed up as the server does."""
     import torch
 
-    from attn_cli.translate import load_translator
+    from attn_cli.decode.translator import load_translator
 
     translator = load_translator(model, beam, threads=1)
     torch.set_num_threads(1)
@@ -158,8 +158,8 @@ def bounds(model: str, beam: int, int8: bool, workloads: dict, levels: list[int]
     the best's, as test lines/s (of `lines`), ...}}} for each number of clients in `levels`."""
     import torch
 
-    from attn_cli.sentences import split_texts
-    from attn_cli.translate import load_translator
+    from attn_cli.decode.sentences import split_texts
+    from attn_cli.decode.translator import load_translator
 
     found: dict = {}
     translator = load_translator(model, beam, threads=2, workers=1, int8=int8)

@@ -13,8 +13,10 @@ import sysconfig
 import pytest
 from typer.main import get_command
 
-from attn_cli import __version__, formats, search, translate
+from attn_cli import __version__, formats, search
 from attn_cli.cli import app
+from attn_cli.decode import options as decode_options
+from attn_cli.decode import translator as decode_translator
 
 from .conftest import assert_clean_error, run_attn
 
@@ -87,12 +89,12 @@ def test_search_defaults_are_the_papers_everywhere(command, paper):
     for value in paper[::3]:  # beam and b are named in the help as the paper's
         assert f"(paper: {value})" in help_text
     if command == ("decode",):  # the library translates with what the command does
-        options = translate.DecodeOptions()
+        options = decode_options.DecodeOptions()
         assert (options.beam, options.alpha, options.max_len_a, options.max_len_b) == paper
         signature = inspect.signature(search.beam_search).parameters
         assert tuple(signature[name].default for name in
                      ("beam", "alpha", "max_len_a", "max_len_b")) == paper
-        assert inspect.signature(translate.load_translator).parameters["beam"].default == 4
+        assert inspect.signature(decode_translator.load_translator).parameters["beam"].default == 4
 
 
 @pytest.mark.parametrize("preset,low,high", [("base", 60e6, 67e6), ("big", 205e6, 220e6)])
@@ -157,7 +159,8 @@ def test_the_garbage_collector_is_off_only_while_a_decoding_command_loads(traine
         code = f"""
 import gc, io, sys
 from attn_cli.parse import parsing
-from attn_cli import scoring, translate
+from attn_cli import scoring
+from attn_cli.decode import translator
 from attn_cli.cli import main
 seen = {{}}
 pairs = parsing.write_training_pairs
@@ -165,7 +168,7 @@ def linearizing(*args, **kwargs):
     seen["linearizing"] = gc.isenabled()
     return pairs(*args, **kwargs)
 parsing.write_training_pairs = linearizing
-load, window, scores = (translate.load_translator, translate.Translator.translate_window,
+load, window, scores = (translator.load_translator, translator.Translator.translate_window,
                         scoring.text_scores)
 def loading(*args, **kwargs):
     seen["loading"] = gc.isenabled()
@@ -176,7 +179,7 @@ def searching(self, *args, **kwargs):
 def scoring_text(*args):
     seen["scoring"] = gc.isenabled()
     return scores(*args)
-translate.load_translator, translate.Translator.translate_window = loading, searching
+translator.load_translator, translator.Translator.translate_window = loading, searching
 scoring.text_scores = scoring_text
 sys.stdin = io.TextIOWrapper(io.BytesIO(b"a b\\n"))
 try:

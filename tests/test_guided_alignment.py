@@ -17,19 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from attn_cli.alignment import (
-    align,
-    alignment_attention,
-    chosen_heads,
-    default_layer,
-    layer_index,
-    piece_pairs,
-    piece_words,
-    read_pharaoh,
-)
+from attn_cli.alignment import layer_index, piece_pairs, piece_words, read_pharaoh
 from attn_cli.batching import MicroBatchStream, collate_pairs, process_share
 from attn_cli.config import PRESETS, ModelConfig
 from attn_cli.data import ParallelData
+from attn_cli.decode.alignment import align, alignment_attention, chosen_heads, default_layer
 from attn_cli.errors import AttnError
 from attn_cli.loss import alignment_loss
 from attn_cli.model import Transformer

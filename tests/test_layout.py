@@ -1,6 +1,7 @@
 """The package's layout, read from its imports: the shared core flat in attn_cli/, one sub-package
-per feature that only one command or extra enters (train/, parse/, serve/, interop/), and
-imports that run one way. A move that breaks the rule fails here, not in review."""
+per feature that only one command or extra enters (train/, parse/, serve/, interop/, decode/), and
+imports that run one way, with no circle. A move that breaks the rule fails here, not in
+review."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from pathlib import Path
 from .conftest import REPO
 
 PACKAGE = REPO / "attn_cli"
-FEATURES = {"train", "parse", "serve", "interop"}
-# The one import between features: training validates a parser by F1 (EVALB, the tree
-# constraint on the search).
-ALLOWED_BETWEEN = {("train", "parse")}
+FEATURES = {"train", "parse", "serve", "interop", "decode"}
+# The imports between features: training validates a parser by F1 (EVALB, the tree constraint on
+# the search), and a server is decoding behind HTTP.
+ALLOWED_BETWEEN = {("train", "parse"), ("serve", "decode")}
 
 
 def imports(path: Path) -> list[tuple[str, int, bool]]:
@@ -51,7 +52,9 @@ def test_the_features_are_sub_packages():
     flat = {path.stem for path in PACKAGE.glob("*.py")}
     assert not flat & {"training", "train_report", "resume", "validation", "distributed",
                        "trees", "parsing", "tree_search", "evalb", "server", "request_queue",
-                       "export", "hf"}, "a feature's module is back in the flat core"
+                       "export", "hf", "translate", "controls", "prefix", "lexical",
+                       "glossary", "shortlist", "compiled", "sentences", "markup"}, \
+        "a feature's module is back in the flat core"
 
 
 def test_the_core_never_imports_a_feature_and_cli_only_lazily():
@@ -103,3 +106,76 @@ def test_the_rule_reader_sees_relative_imports():
     assert "attn_cli.train.start" in modules(PACKAGE / "train" / "loop.py")
     assert any(module.startswith("attn_cli.serve.") and not at_top
                for module, _, at_top in imports(PACKAGE / "cli.py"))
+
+
+def module_graph() -> dict[str, set[str]]:
+    """attn_cli's modules and the modules each imports, lazily or not (a lazy import ties two
+    modules as much as one at the top: it only defers the cost), `from package import module`
+    read as the module."""
+    names = {".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"):
+             path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in names.items():
+        found = set()
+        for module, _, _ in imports(path):
+            found |= {module} & names.keys()
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):  # `from ..decode import sentences`: the module sentences
+            if isinstance(node, ast.ImportFrom) and node.module:
+                base = imports_of_node(path, node)
+                found |= {f"{base}.{alias.name}" for alias in node.names} & names.keys()
+        graph[name] = found - {name}
+    return graph
+
+
+def imports_of_node(path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module an ImportFrom node names (as `imports` resolves it)."""
+    if not node.level:
+        return node.module
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+    return ".".join(base + [node.module])
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of more than one module (Tarjan): each is a circle of
+    imports, and one of its imports runs from a lower module back up to a higher one."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            part = []
+            while True:
+                member = stack.pop()
+                part.append(member)
+                if member == node:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circle_so_every_import_runs_down():
+    """Modules stack in floors, each above all it imports: a circle (data → alignment →
+    batching → data, once) has no such order, and one of its imports runs back up."""
+    graph = module_graph()
+    assert {"attn_cli.decode.translator", "attn_cli.decode.sentences"} <= \
+        graph["attn_cli.decode.pipe"]  # the reader sees the package's modules
+    assert "attn_cli.decode.sentences" in graph["attn_cli.serve.api"]  # `from ..decode import`
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles(graph) == []

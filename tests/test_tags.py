@@ -12,6 +12,7 @@ import pytest
 from safetensors import safe_open
 
 from attn_cli.data import ParallelData
+from attn_cli.decode.translator import load_translator
 from attn_cli.errors import AttnError
 from attn_cli.tags import (
     opus_language_code,
@@ -21,7 +22,6 @@ from attn_cli.tags import (
     tag_ids,
     vocabulary_tags,
 )
-from attn_cli.translate import load_translator
 from attn_cli.vocab import Vocabulary
 
 from .conftest import assert_clean_error, run_attn
@@ -185,8 +185,9 @@ def test_alignments_attention_maps_and_scores_read_the_source_the_search_saw(tag
 
     import torch
 
-    from attn_cli.alignment import alignment_attention, piece_words, word_pairs
+    from attn_cli.alignment import piece_words, word_pairs
     from attn_cli.batching import collate_pairs
+    from attn_cli.decode.alignment import alignment_attention
 
     translator = load_translator(tagged_model, 1, device="cpu", threads=1, target_lang="de",
                                  max_len_b=6)

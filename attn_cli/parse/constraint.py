@@ -26,9 +26,9 @@ def model_terminals(tgt_vocab) -> str:
 
 
 def tree_constraints(terminals: str = "auto", score_words: str = "given"):
-    """What `translate.load_translator(constraint_for=...)` takes for `attn parse --constrain`:
-    given a parser model, its `tree_constraint_for`, with the terminals the model spells
-    (`model_terminals`) unless `terminals` says."""
+    """What `load_translator(constraint_for=...)` (decode/translator.py) takes for `attn parse
+    --constrain`: given a parser model, its `tree_constraint_for`, with the terminals the model
+    spells (`model_terminals`) unless `terminals` says."""
 
     def for_model(loaded):
         kind = model_terminals(loaded.tgt_vocab) if terminals == "auto" else terminals

@@ -2,8 +2,8 @@
 lines and search settings out; the search's outputs in, the JSON answer out.
 
 Every refusal of a request is a `Problem` (a 4xx status and a message for the client) raised
-here, except the ranges of the search settings, which `translate.DecodeOptions` checks for every
-caller (the server answers its AttnError with 422). No HTTP, no torch, no sockets: server.py
+here, except the ranges of the search settings, which `decode.options.DecodeOptions` checks for
+every caller (the server answers its AttnError with 422). No HTTP, no torch, no sockets: server.py
 reads the bodies and runs the search; tests/serve/test_api.py tests these without a server.
 What the client sends is read so that no value of it reaches the search unchecked: JSON without
 NaN or infinities, integers of at most 19 digits, nesting as deep as the parser goes (400), each
@@ -14,7 +14,7 @@ Also here: which served model a request reaches (`Served`: by id, by pair, or wi
 "auto" by the language detected, `libre_routes`), texts cut into sentences and their outputs
 joined again (`split_sentences`, `joined_outputs`), HTML documents read into sentences and
 rendered with their translations and alignments (`libre_texts`, `aligned_outputs`,
-`html_outputs`: markup.py), and multipart forms (`multipart_fields`).
+`html_outputs`: decode/markup.py), and multipart forms (`multipart_fields`).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import parse_qs
 
-from .. import sentences
 from ..config import MAX_LEN_B, ServeOptions
+from ..decode import sentences
+from ..decode.markup import HtmlDocument, Run, read_markup, split_runs
+from ..decode.sentences import Paragraph, SplitTexts
 from ..formats import Stop
-from ..markup import HtmlDocument, Run, read_markup, split_runs
-from ..sentences import Paragraph, SplitTexts
 
 # ISO 639-1 names for /languages (LibreTranslate lists a name with each code).
 LANGUAGE_NAMES = {
@@ -46,7 +46,7 @@ LANGUAGE_NAMES = {
 }
 
 # The search settings a /v1/translate request may change: field → its JSON type. Their ranges
-# are DecodeOptions' (translate.RANGES); the largest beam and nbest are the server's --max-beam.
+# are DecodeOptions' (decode/options.py's RANGES); the largest beam and nbest are --max-beam.
 SEARCH_FIELDS = {"beam": int, "nbest": int, "alpha": float, "max_len_a": float,
                  "max_len_b": int, "stop": str, "sample": bool, "topk": int, "topp": float,
                  "temperature": float, "seed": int, "raw": bool}
@@ -374,7 +374,7 @@ def kth_best(output: Sequence, k: int):
 
 
 def html_text(document: str) -> str:
-    """What a language detector reads of an HTML document: the text of its runs (markup.py),
+    """What a language detector reads of an HTML document: the text of its runs (decode/markup.py),
     a line each, without the markup, nor what is never translated (scripts, styles,
     comments, `translate="no"`)."""
     texts = (piece.tree()[0].strip() for piece in split_runs(read_markup(document))
@@ -506,7 +506,7 @@ class RequestControls:
         """Each line's `controls.Controls` for `translator` (its vocabulary; its own glossary,
         from --glossary, added), or None where no line has any; the Problem of the first text
         with a piece outside the vocabulary."""
-        from ..controls import NONE, Controls, GlossaryPhrases
+        from ..decode.controls import NONE, Controls, GlossaryPhrases
 
         vocab, unk = translator.tgt_vocab, translator.config.unk_id
 
@@ -569,8 +569,8 @@ def v1_controls(fields: dict, asked: V1Request) -> RequestControls:
         asked_for.constraints = [item or [] for item in per_line]
     value = fields.get("glossary")
     if value is not None and value != {} and value != []:  # an app's empty glossary: none
+        from ..decode.glossary import Glossary
         from ..errors import AttnError
-        from ..glossary import Glossary
 
         if isinstance(value, (list, dict)) and len(value) > MAX_REQUEST_GLOSSARY:
             raise Problem(422, f"glossary holds {len(value)} terms, over this server's "
@@ -673,7 +673,7 @@ class LibreRequest:
     settings: dict  # DecodeOptions fields to change
     alternatives: int  # other translations asked for each text
     single: bool  # `q` was one string
-    html: bool = False  # format "html": each text an HTML document (markup.py)
+    html: bool = False  # format "html": each text an HTML document (decode/markup.py)
 
 
 @dataclass(frozen=True)
@@ -878,7 +878,7 @@ class FileRequest:
     bom: bool
     source: str
     target: str
-    html: bool = False  # an .html or .htm file: translated as HTML (markup.py)
+    html: bool = False  # an .html or .htm file: translated as HTML (decode/markup.py)
 
 
 def file_request(fields: dict, files: dict) -> FileRequest:

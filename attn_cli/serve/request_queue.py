@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..batching import fits
-from ..controls import NONE
-from ..translate import EMPTY_LINE, Translator
+from ..decode.controls import NONE
+from ..decode.translator import EMPTY_LINE, Translator
 
 
 class QueueFull(Exception):

@@ -13,7 +13,7 @@ Endpoints (JSON in and out; errors are `{"error": "..."}` with a 4xx/5xx status)
   `POST /translate` (`q` a string or a list, `source` (or "auto"), `target`, `format` ("text"
   or "html"), `alternatives`, `api_key`; JSON or a form) → `{"translatedText",
   "alternatives"?, "detectedLanguage"?}`, each text cut into sentences and joined again (HTML:
-  its markup put back by the words' alignments, markup.py); `POST /detect` (detect.py); `POST
+  its markup put back by the words' alignments, decode/markup.py); `POST /detect` (detect.py); `POST
   /translate_file` (.txt, .html, .htm) → `{"translatedFileUrl"}` and `GET
   /download_file/<name>` (downloads.py); `GET /languages`, `GET /frontend/settings`.
 
@@ -206,7 +206,7 @@ class Service:
         if not self.ready:
             raise Problem(503, "the models are still loading (GET /health says when they are "
                           "ready)", {"Retry-After": "1"})
-        from ..translate import OutOfRange  # torch: never before `tune_process`
+        from ..decode.options import OutOfRange  # torch: never before `tune_process`
         from .request_queue import Job, QueueFull
 
         loop = asyncio.get_running_loop()

@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
+from attn_cli.decode.translator import load_translator
 from attn_cli.modelfile import load_model
 from attn_cli.tags import vocabulary_tags
-from attn_cli.translate import load_translator
 from attn_cli.vocab import learn
 
 from ..conftest import assert_clean_error, run_attn

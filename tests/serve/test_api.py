@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from attn_cli.config import MAX_LEN_B, SERVE_DEFAULTS, ServeOptions, parse_langs
+from attn_cli.decode.options import RANGES, DecodeOptions
+from attn_cli.decode.translator import NOT_FOUND
 from attn_cli.errors import AttnError
 from attn_cli.formats import Stop
 from attn_cli.search import Hypothesis
@@ -22,7 +24,6 @@ from attn_cli.serve import api
 from attn_cli.serve.api import Problem
 from attn_cli.serve.downloads import Downloads
 from attn_cli.serve.server import model_groups
-from attn_cli.translate import NOT_FOUND, RANGES, DecodeOptions
 
 from .client import multipart
 
@@ -182,7 +183,7 @@ def test_search_settings_refusals(fields, message):
 
 def test_every_search_field_is_a_decode_option_whose_range_decode_options_check():
     """Service.translate answers a DecodeOptions error with 422 and its message, which names the
-    field (tests/test_translate.py: those messages)."""
+    field (tests/decode/test_options.py: those messages)."""
     names = {field.name for field in dataclasses.fields(DecodeOptions)}
     assert set(api.SEARCH_FIELDS) <= names
     numeric = {name for name, kind in api.SEARCH_FIELDS.items() if kind in (int, float)}

@@ -16,10 +16,10 @@ from html.parser import HTMLParser
 
 import pytest
 
-from attn_cli.markup import HtmlDocument
+from attn_cli.decode.markup import HtmlDocument
 
 from ..conftest import REPO
-from ..test_markup import tag_tree
+from ..decode.test_markup import tag_tree
 from .client import Server, multipart
 from .test_server import call, raw_call
 

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from attn_cli.config import ServeOptions
+from attn_cli.decode.options import DecodeOptions
 from attn_cli.serve.operations import (
     METRICS_CONTENT_TYPE,
     Operations,
@@ -24,7 +25,6 @@ from attn_cli.serve.operations import (
     client_of,
     search_key,
 )
-from attn_cli.translate import DecodeOptions
 
 from .client import Connection, Server, request
 

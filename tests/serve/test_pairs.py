@@ -15,8 +15,8 @@ import urllib.request
 
 import pytest
 
+from attn_cli.decode.translator import load_translator
 from attn_cli.serve.request_queue import Job, RequestQueue
-from attn_cli.translate import load_translator
 from attn_cli.vocab import Vocabulary
 
 from ..conftest import bundled_lines

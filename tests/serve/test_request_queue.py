@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
+from attn_cli.decode.translator import load_translator
 from attn_cli.serve.request_queue import Job, QueueFull, RequestQueue
-from attn_cli.translate import load_translator
 
 from ..conftest import bundled_lines
 
@@ -153,7 +153,7 @@ def test_requests_with_target_prefixes_share_batches_with_those_without():
     import json
     from pathlib import Path
 
-    from attn_cli.controls import Controls
+    from attn_cli.decode.controls import Controls
 
     fixtures = Path(__file__).resolve().parents[1] / "fixtures"
     golden = json.loads((fixtures / "golden.json").read_text(encoding="utf-8"))

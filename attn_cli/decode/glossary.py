@@ -39,8 +39,8 @@ import unicodedata
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from .errors import AttnError
-from .files import STDIO, check_readable, display_name, read_lines
+from ..errors import AttnError
+from ..files import STDIO, check_readable, display_name, read_lines
 
 BYTE_ORDER_MARK = "\ufeff"
 # The planes that hold combining marks (as of Unicode 15: the BMP, the SMP's scripts, plane 14's

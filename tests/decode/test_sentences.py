@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from attn_cli.sentences import Paragraph, segmenter_language, split, split_texts
+from attn_cli.decode.sentences import Paragraph, segmenter_language, split, split_texts
 
 TEXTS = [
     "",

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import AttnError
-from .files import atomic_path
-from .formats import EOS_ID, UNK_ID
-from .tags import vocabulary_tags
+from ..errors import AttnError
+from ..files import atomic_path
+from ..formats import EOS_ID, UNK_ID
+from ..tags import vocabulary_tags
 
 SHORTLIST_FORMAT = "attn-shortlist"
 SHORTLIST_FORMAT_VERSION = "1"
@@ -208,8 +208,8 @@ class Shortlist:
     def load(cls, path: str | os.PathLike) -> "Shortlist":
         from safetensors.numpy import load_file
 
-        from . import stfile
-        from .files import check_readable
+        from .. import stfile
+        from ..files import check_readable
 
         check_readable(path, "shortlist")
         header = stfile.read_header(path, "shortlist")

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from attn_cli.decode.pipe import sentence_language
+from attn_cli.decode.translator import load_translator, model_langs
 from attn_cli.modelfile import load_model, save_model
-from attn_cli.translate import load_translator, model_langs, sentence_language
 
-from .conftest import assert_clean_error, run_attn
+from ..conftest import assert_clean_error, run_attn
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 GOLDEN = json.loads((FIXTURES / "golden.json").read_text(encoding="utf-8"))
 CHECKPOINT = FIXTURES / GOLDEN["checkpoint"]
 # One thread: a command's own threads wait on each other when another process holds a core.

@@ -10,9 +10,9 @@ from html.parser import HTMLParser
 import pytest
 
 from attn_cli import load_translator
-from attn_cli.markup import HtmlDocument, read_markup, translate_html
+from attn_cli.decode.markup import HtmlDocument, read_markup, translate_html
 
-from .conftest import REPO
+from ..conftest import REPO
 
 
 class _Tags(HTMLParser):

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from attn_cli.lexical import (
+from attn_cli.decode.lexical import (
     UNMET_PENALTY,
     BannedPhrases,
     Chained,
@@ -20,11 +20,11 @@ from attn_cli.lexical import (
     failure_links,
     holds,
 )
-from attn_cli.prefix import PrefixConstraint
+from attn_cli.decode.prefix import PrefixConstraint
 from attn_cli.search import beam_search, length_penalty, sample, sentence_uniforms
 
-from .test_search import CountedSteps
-from .toys import HostSyncs, random_model
+from ..test_search import CountedSteps
+from ..toys import HostSyncs, random_model
 
 EOS = 3
 

@@ -1,49 +1,26 @@
-"""`attn decode`: text in, translations out, one line per line, in order, as soon as ready.
-
-A reader thread pulls stdin lazily; the main loop takes whatever lines have arrived (at least
-one, at most `buffer_size`), sorts them by length into token-budget batches, searches, and writes
-the window's results in input order. A user typing sees each translation after pressing enter; a
-file streams through in windows of `buffer_size` lines. With `--split-sentences` the window's lines
-are cut into sentences first (sentences.py), and all of them are searched in the same batches.
-"""
+"""Models made for decoding (one, or an ensemble) and the search settings: lines in, hypotheses
+out. What `attn decode`, `attn parse` and each of `attn serve`'s model pairs run, and the library's
+`load_translator`."""
 
 from __future__ import annotations
 
-import bisect
 import copy
 import dataclasses
 import math
-import os
-import queue
 import sys
-import threading
-import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
-from .batching import balanced_batches, pad_sequences, source_budget
-from .config import ALPHA_HIGHEST, MAX_LEN_A_HIGHEST, TEMPERATURE_RANGE, parse_langs
-from .controls import (
-    NONE,
-    Controls,
-    GlossaryPhrases,
-    encode_checked,
-    free_controls,
-    holds_phrases,
-    search_constraint,
-    split_fields,
-)
-from .devices import inference_dtype, inference_model, pick_device, search_batch_tokens
-from .ensemble import Ensemble, load_models
-from .errors import AttnError, batch_must_fit
-from .files import STRICT, Utf8Policy
-from .formats import BUFFER_SIZE, COMPILE_MODES, MAX_SOURCE_TOKENS, TRANSLATION, Stop
-from .lexical import UNMET_PENALTY, WordPieces
-from .modelfile import LoadedModel
-from .search import (
+from ..batching import balanced_batches, pad_sequences
+from ..config import parse_langs
+from ..devices import inference_dtype, inference_model, pick_device, search_batch_tokens
+from ..ensemble import Ensemble, load_models
+from ..errors import AttnError, batch_must_fit
+from ..formats import COMPILE_MODES, MAX_SOURCE_TOKENS, TRANSLATION
+from ..modelfile import LoadedModel
+from ..search import (
     Hypothesis,
     beam_search,
     max_output_length,
@@ -51,205 +28,18 @@ from .search import (
     sample,
     sentence_uniforms,
 )
-from .sentences import Paragraph, SplitTexts, segmenter_language, split_texts
-
-# Each numeric setting's range: (lowest, highest, whether the lowest itself is allowed); None: no
-# bound. The one check of them, for every caller: the library, `attn serve`'s requests (whose
-# fields have these names) and the commands (whose options Typer bounds
-# first, where it can: not a float's finiteness, nor a lowest value excluded). The highest
-# alpha, max_len_a and temperature keep the search finite (config.py says why each).
-RANGES = {"beam": (1, None, True), "nbest": (1, None, True),
-          "alpha": (0.0, ALPHA_HIGHEST, True), "max_len_a": (0.0, MAX_LEN_A_HIGHEST, True),
-          "max_len_b": (0, None, True), "topk": (0, None, True), "topp": (0, 1, False),
-          "temperature": (*TEMPERATURE_RANGE, True),
-          "batch_tokens": (1, None, True), "buffer_size": (1, None, True),
-          "workers": (1, None, True), "worker_threads": (1, None, True)}
-
-
-class OutOfRange(AttnError):
-    """A search setting outside its range, named as the command line spells it (`--max-len-a
-    must be a finite number`); `field` and `rule` let the server name its JSON field instead."""
-
-    def __init__(self, field: str, rule: str):
-        super().__init__(f"--{field.replace('_', '-')} {rule}")
-        self.field, self.rule = field, rule
-
-
-def check_range(name: str, value) -> None:
-    """`value` within RANGES[name] (a float also finite), or OutOfRange."""
-    if value is None:  # batch_tokens: chosen for the device later
-        return
-    if isinstance(value, float) and not math.isfinite(value):
-        raise OutOfRange(name, "must be a finite number")
-    lowest, highest, lowest_allowed = RANGES[name]
-    if lowest is not None and (value < lowest or (value == lowest and not lowest_allowed)):
-        raise OutOfRange(name, f"must be {'at least' if lowest_allowed else 'above'} {lowest}")
-    if highest is not None and value > highest:
-        raise OutOfRange(name, f"must be at most {highest}")
-
-
-CONSTRAINT_SEARCHES = ("misses", "all")
-
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    """How `attn decode` and `attn parse` search (or sample), checked as they are made: each
-    setting's range (RANGES), then the settings that go together."""
-
-    beam: int = TRANSLATION.beam
-    alpha: float = TRANSLATION.alpha
-    max_len_a: float = TRANSLATION.max_len_a
-    max_len_b: int = TRANSLATION.max_len_b
-    nbest: int = 1
-    stop: Stop = Stop.bound
-    # Sampling instead of search (`search.sample`): for back-translation.
-    sample: bool = False
-    topk: int = 0  # 0: every token
-    topp: float = 1.0
-    temperature: float = 1.0
-    seed: int = 1
-    # source tokens × beam held by one search batch; None: devices.search_batch_tokens
-    batch_tokens: int | None = None
-    buffer_size: int = BUFFER_SIZE
-    raw: bool = False
-    # Which sentences with phrases to hold are searched with them (`Translator.search_controlled`):
-    # "misses", those whose free output misses one; "all".
-    constraint_search: str = "misses"
-    workers: int = 1  # batches searched at once, each by its own thread
-    worker_threads: int = 1  # torch threads of each of those
-    # Ids put before every source line: a target language's tag (`--target-lang`, tags.py).
-    source_tags: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in RANGES:
-            check_range(name, getattr(self, name))
-        if self.sample and self.nbest > 1:
-            raise AttnError("--nbest needs beam search, not --sample (sample again with "
-                            "another --seed for more outputs)")
-        if (self.topk or self.topp < 1.0 or self.temperature != 1.0) and not self.sample:
-            raise AttnError("--topk, --topp and --temperature apply to --sample only")
-        if self.constraint_search not in CONSTRAINT_SEARCHES:
-            raise AttnError(f"--constraint-search is one of {', '.join(CONSTRAINT_SEARCHES)}, "
-                            f"not {self.constraint_search!r}")
-
-    @property
-    def source_budget(self) -> int:
-        """Source tokens of one search batch, padding included (batching's one rule)."""
-        return source_budget(self.batch_tokens, 1 if self.sample else self.beam)
-
-
-@dataclass
-class DecodeStats:
-    sentences: int = 0
-    output_tokens: int = 0  # EOS included
-    seconds: float = 0.0
-    truncated: int = 0
-    replaced: int = 0  # lines whose invalid UTF-8 was replaced by U+FFFD
-    # --split-sentences: the non-empty lines the sentences were cut from (None: not split, each
-    # non-empty line searched as one sentence)
-    split_lines: int | None = None
-    # --shortlist: batches searched, and the target pieces they could write, summed
-    shortlist_batches: int = 0
-    shortlist_pieces: int = 0
-
-    @property
-    def shortlist_mean(self) -> float | None:
-        """The target pieces a batch could write, on average (None: no shortlist)."""
-        return self.shortlist_pieces / self.shortlist_batches if self.shortlist_batches else None
-
-    def record(self) -> dict:
-        """The summary as one JSON object (`--stats-json`)."""
-        split = {} if self.split_lines is None else {"split_lines": self.split_lines}
-        shortlist = {} if self.shortlist_mean is None else \
-            {"shortlist_pieces_per_batch": self.shortlist_mean}
-        return {"sentences": self.sentences, **split, "output_tokens": self.output_tokens,
-                "seconds": self.seconds,
-                "sentences_per_s": self.sentences / max(self.seconds, 1e-9),
-                "tokens_per_s": self.output_tokens / self.seconds if self.seconds else 0.0,
-                "truncated": self.truncated, "replaced": self.replaced, **shortlist}
-
-    def summary(self) -> str:
-        rate = self.output_tokens / self.seconds if self.seconds else 0.0
-        notes = [f"{self.truncated} truncated"] if self.truncated else []
-        notes += [f"{self.replaced} with invalid UTF-8 replaced"] if self.replaced else []
-        if self.shortlist_mean is not None:
-            notes += [f"shortlist: {self.shortlist_mean:.0f} target pieces a batch"]
-        split = "" if self.split_lines is None else f" cut from {self.split_lines} lines"
-        return (f"{self.sentences} sentences{split}, {self.output_tokens} output tokens (EOS "
-                f"included) in {self.seconds:.2f}s: {self.sentences / max(self.seconds, 1e-9):.1f}"
-                f" sentences/s, {rate:.0f} tokens/s"
-                + (f" ({', '.join(notes)})" if notes else ""))
-
-
-_END = object()
-
-
-def read_windows(stream, buffer_size: int, name: str = "<stdin>",
-                 policy: Utf8Policy = STRICT) -> Iterator[list[str]]:
-    """Lines of a binary stream in windows: block for one line, then take what else has already
-    arrived, up to `buffer_size`. Invalid UTF-8 is replaced or an error, as `policy` says; an
-    error comes after the window of the lines before it, so that those are still written."""
-    arrived: queue.Queue = queue.Queue(maxsize=max(2 * buffer_size, 2))
-
-    def pump():
-        try:
-            for raw in _unlocked_lines(stream):
-                arrived.put(raw)
-        except BaseException as error:  # surfaced in the main thread
-            arrived.put(error)
-        arrived.put(_END)
-
-    threading.Thread(target=pump, daemon=True).start()
-    line_number = 0
-    while True:
-        window = []
-        item = arrived.get()
-        while True:
-            if item is _END:
-                if window:
-                    yield window
-                return
-            if isinstance(item, BaseException):
-                raise item
-            line_number += 1
-            try:
-                window.append(policy.decode(item, name, line_number))
-            except AttnError:
-                if window:
-                    yield window
-                raise
-            if len(window) >= buffer_size:
-                break
-            try:
-                item = arrived.get_nowait()
-            except queue.Empty:
-                break
-        yield window
-
-
-def _unlocked_lines(stream) -> Iterator[bytes]:
-    """The stream's lines, read from its file descriptor when it has one. The reader thread must
-    not sit in a buffered reader's read: that holds the reader's lock, and an interpreter exiting
-    meanwhile (an error, `| head`) aborts ("could not acquire lock ... at interpreter
-    shutdown"). os.read holds no lock, and returns what a terminal has, line by line."""
-    try:
-        descriptor = stream.fileno()
-    except (AttributeError, OSError, ValueError):  # an in-memory stream: nothing to wait on
-        yield from stream
-        return
-    pending: list[bytes] = []  # the start of a line longer than a chunk
-    while chunk := os.read(descriptor, 1 << 16):
-        first, *lines = chunk.split(b"\n")
-        if not lines:
-            pending.append(first)
-            continue
-        yield b"".join(pending) + first + b"\n"
-        for line in lines[:-1]:
-            yield line + b"\n"
-        pending = [lines[-1]] if lines[-1] else []
-    if pending:
-        yield b"".join(pending)
-
+from ..tags import target_tags
+from .controls import (
+    NONE,
+    Controls,
+    GlossaryPhrases,
+    free_controls,
+    holds_phrases,
+    search_constraint,
+)
+from .lexical import UNMET_PENALTY, WordPieces
+from .options import DecodeOptions, DecodeStats
+from .sentences import split_texts
 
 # An empty (or blank) line's output, without a search: one empty hypothesis of score 0.
 EMPTY_LINE = Hypothesis([], 0.0, 0.0)
@@ -550,8 +340,8 @@ class Translator:
         (source word, output word) pairs over whitespace words, read off the cross-attention
         of one teacher-forced pass (`alignment.py`; `layer` and `heads` by default the model's
         own, `alignment.chosen_heads`). An ensemble's first model aligns."""
+        from ..ensemble import Ensemble
         from .alignment import align_lines
-        from .ensemble import Ensemble
 
         model = self.model.models[0] if isinstance(self.model, Ensemble) else self.model
         return align_lines(model, self.src_vocab, self.tgt_vocab, lines, outputs,
@@ -569,7 +359,7 @@ class Translator:
         """`attn decode --alignment`: for each line, the Pharaoh pairs (`alignment.pharaoh`) of
         each output it prints (the best; with nbest K its K, those not found aligning nothing),
         all of the window's aligned in one `align` call: in batches, not line by line."""
-        from .alignment import pharaoh
+        from ..alignment import pharaoh
 
         nbest = self.options.nbest
         printed = [hypotheses[:1] if nbest == 1
@@ -582,14 +372,6 @@ class Translator:
         return [[pharaoh(next(aligned)) for _ in outputs] for outputs in printed]
 
 
-def target_tags(vocabulary, lang: str | None, where: str,
-                option: str = "--target-lang") -> tuple[int, ...]:
-    """The ids of target language `lang`'s tag in `vocabulary` (none for None)."""
-    from .tags import tag_ids
-
-    return tuple(tag_ids(vocabulary, lang, where=where, target_option=option))
-
-
 def model_langs(metadata: dict[str, str]) -> tuple[str, str] | None:
     """The model file's (source, target) language codes (its metadata's `langs`, "en-de"), or
     None where it names none, or not as SOURCE-TARGET."""
@@ -597,76 +379,6 @@ def model_langs(metadata: dict[str, str]) -> tuple[str, str] | None:
         return parse_langs(metadata.get("langs"))
     except AttnError:  # written by hand or by another tool: no language rather than no decode
         return None
-
-
-def check_split_sentences(split_sentences: bool, source_lang: str | None, nbest: int,
-                          attention: bool) -> None:
-    """`attn decode --split-sentences` with the options it goes with, refused before a model
-    loads. A line becomes several searches: one line of output joins their best translations,
-    so there is no line's n-best list to print, nor one line's attention map to save."""
-    if not split_sentences:
-        if source_lang is not None:
-            raise AttnError("--source-lang is the language --split-sentences cuts sentences "
-                            "by: add --split-sentences")
-        return
-    one_per_line = "put one sentence per line and decode without --split-sentences"
-    if nbest > 1:
-        raise AttnError(f"--split-sentences prints one translation per line, not --nbest "
-                        f"{nbest} lists (a line is several searches): {one_per_line}")
-    if attention:
-        raise AttnError(f"--attention saves one map per line, and --split-sentences searches "
-                        f"a line as several sentences: {one_per_line}")
-    sentence_language(source_lang, None)  # what is not a language code: refused now
-
-
-def check_alignment(alignment: bool, layer: int | None, raw: bool) -> None:
-    """`attn decode --alignment` and `--alignment-layer`, refused before a model loads where
-    they do not go together."""
-    if not alignment:
-        if layer is not None:
-            raise AttnError("--alignment-layer is the layer --alignment reads: add --alignment")
-        return
-    if raw:
-        # the alignment numbers the words of the detokenized output, which --raw does not print
-        raise AttnError("--alignment numbers the words of the detokenized output: drop --raw")
-
-
-def sentence_language(source_lang: str | None, langs: tuple[str, str] | None
-                      ) -> tuple[str, str]:
-    """The language whose rules `--split-sentences` cuts by, and where it came from: the code
-    the user gave (`--source-lang`), else the model's source language (`langs`, from its file:
-    `Translator.langs`), else English."""
-    if source_lang is not None:
-        try:
-            return segmenter_language(source_lang), "--source-lang"
-        except ValueError:
-            raise AttnError(f"--source-lang takes a language code such as en, de or pt-BR, "
-                            f"not {source_lang!r}") from None
-    try:
-        if langs is not None:
-            return segmenter_language(langs[0]), "the model's source language"
-    except ValueError:  # a model file's odd code costs the language's rules, not the decode
-        pass
-    return "en", "no source language known from the model"
-
-
-def check_controls(prefix: bool, constraints: bool, split_sentences: bool, attention: bool,
-                   sample: bool, glossary: bool = False) -> None:
-    """`attn decode --prefix`, `--constraints` and `--glossary` with the options they go with,
-    refused before a model loads."""
-    given = [name for name, on in (("--prefix", prefix), ("--constraints", constraints),
-                                   ("--glossary", glossary)) if on]
-    if not given:
-        return
-    refused = [(split_sentences and (prefix or constraints), "--split-sentences",
-                "a line is several searches, and its prefix or phrases are the line's"),
-               (attention, "--attention", "its maps are of unforced outputs"),
-               (sample and (constraints or glossary), "--sample",
-                "phrases to hold need beam search: --beam 1 for greedy")]
-    for refuse, option, why in refused:
-        if refuse:
-            raise AttnError(f"{' and '.join(given)} does not go with {option} ({why}): decode "
-                            f"without one of them")
 
 
 def use_controls(translator: Translator, glossary_path=None, ban_path=None) -> None:
@@ -698,34 +410,6 @@ def use_shortlist(translator: Translator, shortlist, path=None) -> None:
         shortlist, path = Shortlist.load(shortlist), shortlist
     shortlist.check_vocabularies(translator.src_vocab, translator.tgt_vocab, "the model", path)
     translator.shortlist = shortlist
-
-
-def split_controls(translator: Translator, window: list[str], name: str, first_line: int,
-                   prefix: bool, constraints: bool
-                   ) -> tuple[list[str], list[Controls], AttnError | None]:
-    """A window of lines laid out as `--prefix` and `--constraints` say (`controls.split_fields`)
-    → (the sources, each line's controls as SentencePiece cuts their texts, the error of the
-    first bad line or None): the lines before a bad one come back to be translated and written
-    before the error is raised, as bad UTF-8's do. A prefix ending mid-word is forced as those
-    pieces exactly: the output may go on with the word or start another."""
-    sources, controls, error = [], [], None
-    vocab, unk = translator.tgt_vocab, translator.config.unk_id
-    for offset, line in enumerate(window):
-        where = f"{name}:{first_line + offset}"
-        try:
-            source, prefix_text, phrases = split_fields(line, prefix, constraints, name,
-                                                        first_line + offset)
-            ids = encode_checked(vocab, unk, [prefix_text] if prefix_text else [], "prefix",
-                                 [where])
-            phrase_ids = encode_checked(vocab, unk, phrases, "constraint",
-                                        [where] * len(phrases))
-        except AttnError as bad:
-            error = bad
-            break
-        sources.append(source)
-        controls.append(Controls(tuple(ids[0]) if ids else (),
-                                 tuple(dict.fromkeys(map(tuple, phrase_ids)))))
-    return sources, controls, error
 
 
 def search_workers(threads: int, workers: int, device: torch.device) -> tuple[int, int]:
@@ -773,121 +457,3 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
     return Translator(loaded, settings, chosen, inference_dtype(dtype, chosen), warn=warn,
                       constraint_for=constraint_for(loaded) if constraint_for else None,
                       ensemble=ensemble, int8=int8, compile=compile)
-
-
-def run(translator: Translator, stream, out, name: str = "<stdin>", render=None,
-        policy: Utf8Policy = STRICT, split_sentences: bool = False,
-        lang: str | None = None, alignment: bool = False, alignment_layer: int | None = None,
-        prefix: bool = False, constraints: bool = False) -> DecodeStats:
-    """The pipe: windows of lines in, one line (or nbest lines) out per line in, in order.
-    `render(index, line, hypotheses)` makes the output lines (default: translations); `policy`
-    says what invalid UTF-8 does. `split_sentences`: each line cut into sentences by the rules
-    of `lang` and translated as `Translator.translate_paragraphs` does (the best translation
-    only: no render, nbest 1). `alignment`: each output line followed by a TAB and its word
-    alignment read off decoder layer `alignment_layer` (None: the model's default,
-    `alignment.chosen_heads`; `Translator.alignment_columns`); without it no work is spent
-    on them. `prefix`, `constraints`: each line is `source<TAB>prefix`,
-    `source<TAB>c1<TAB>c2…` or both (`split_controls`), and its outputs start with the prefix
-    and hold each phrase."""
-    if split_sentences and (render is not None or translator.options.nbest > 1):
-        raise ValueError("split sentences are written as one line per line: no render, no nbest")
-    render = render or (lambda index, line, hypotheses: translator.format(index, hypotheses))
-    started = time.perf_counter()
-    stats = translator.stats
-    if split_sentences:
-        stats.split_lines = 0
-    line_number = 0
-    try:
-        for window in read_windows(stream, translator.options.buffer_size, name, policy):
-            if split_sentences:
-                _write_split(translator, window, lang, out, alignment, alignment_layer)
-            else:
-                controls = bad_line = None
-                if prefix or constraints:
-                    window, controls, bad_line = split_controls(translator, window, name,
-                                                                line_number + 1, prefix,
-                                                                constraints)
-                results = translator.translate_window(window, line_number + 1, "line",
-                                                      controls=controls)
-                columns = None if not alignment else \
-                    translator.alignment_columns(window, results, alignment_layer)
-                for offset, hypotheses in enumerate(results):
-                    texts = render(line_number + offset, window[offset], hypotheses)
-                    if columns is not None:
-                        texts = [f"{text}\t{column}"
-                                 for text, column in zip(texts, columns[offset], strict=True)]
-                    for text in texts:
-                        out.write(text + "\n")
-                    if window[offset].strip():
-                        stats.sentences += 1
-                        stats.output_tokens += len(hypotheses[0].tokens) + 1
-            out.flush()
-            if not split_sentences and bad_line is not None:
-                raise bad_line
-            line_number += len(window)
-    finally:
-        translator.close()
-        policy.finish()
-    stats.seconds = time.perf_counter() - started
-    stats.replaced = policy.count
-    return stats
-
-
-def _write_split(translator: Translator, lines: list[str], lang: str | None, out,
-                 alignment: bool = False, alignment_layer: int | None = None) -> None:
-    """One window of `run(split_sentences=True)`: the lines' sentences searched together, each
-    line's translations joined with its spacing, one line out per line in (with `alignment`, a
-    TAB and the line's alignment after it, of `alignment_layer`: `split_alignments`)."""
-    stats = translator.stats
-    split = split_texts(lines, lang)
-    # Sentences are numbered on from those of the windows before: sampling then draws for a
-    # sentence what it draws for the same sentence on a line of its own (line k of a file of one
-    # sentence per line), however the lines fall into windows.
-    results = translator.translate_window(split.sentences, stats.sentences + 1, unit="sentence")
-    best = [hypotheses[0] for hypotheses in results]
-    outputs = translator.detokenize(best)
-    texts = split.join(outputs)
-    if alignment:
-        aligned = translator.align(split.sentences, [hypothesis.tokens for hypothesis in best],
-                                   alignment_layer)
-        texts = [f"{text}\t{column}"
-                 for text, column in zip(texts, split_alignments(split, outputs, aligned))]
-    for text in texts:
-        out.write(text + "\n")
-    stats.sentences += len(best)
-    stats.output_tokens += sum(len(hypothesis.tokens) + 1 for hypothesis in best)
-    stats.split_lines += sum(1 for paragraph in split.paragraphs if paragraph.sentences)
-
-
-def split_alignments(split: SplitTexts, outputs: list[str],
-                     aligned: list[list[tuple[int, int]]]) -> list[str]:
-    """Each line's Pharaoh pairs (`--split-sentences --alignment`) from its sentences' own
-    (`aligned[k]`, sentence k's words with those of its translation `outputs[k]`): each word of
-    a sentence renumbered as the word of the line holding it, and likewise on the output side,
-    by where the word lies in the joined text. Exact even where joining merges two words
-    (spacing ""), which then share a number."""
-    from .alignment import pharaoh
-
-    columns, first = [], 0
-    for paragraph in split.paragraphs:
-        count = len(paragraph.sentences)
-        sources = _line_words(paragraph, paragraph.sentences)
-        targets = _line_words(paragraph, outputs[first:first + count])
-        columns.append(pharaoh(sorted({(sources[k][i], targets[k][j]) for k in range(count)
-                                       for i, j in aligned[first + k]})))
-        first += count
-    return columns
-
-
-def _line_words(paragraph: Paragraph, parts: Sequence[str]) -> list[list[int]]:
-    """For each of `parts` (a paragraph's sentences or their translations), the word of
-    `paragraph.join(parts)` each of its whitespace words lies in."""
-    from .alignment import word_spans
-
-    starts = [start for start, _ in word_spans(paragraph.join(parts))]
-    places, offset = [], len(paragraph.spacing[0])
-    for part, after in zip(parts, paragraph.spacing[1:]):
-        places.append([bisect.bisect_right(starts, offset + start) - 1
-                       for start, _ in word_spans(part)])
-        offset += len(part) + len(after)
-    return places

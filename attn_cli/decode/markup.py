@@ -40,8 +40,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 
+from ..alignment import Alignment, word_spans
 from . import sentences
-from .alignment import Alignment, word_spans
 
 # Elements that stay inside a run of text (HTML's phrasing content that holds text).
 INLINE = frozenset("a abbr acronym b bdi bdo big cite code data del dfn em font i ins kbd "

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import AttnError
-from .files import check_readable, read_lines
+from ..errors import AttnError
+from ..files import check_readable, read_lines
 from .glossary import Glossary
 from .lexical import BannedPhrases, Chained, LexicalConstraint, WordPieces, holds
 from .prefix import PrefixConstraint

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from attn_cli.translate import load_translator
+from attn_cli.decode.translator import load_translator
 
-from .conftest import assert_clean_error, run_attn
+from ..conftest import assert_clean_error, run_attn
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 GOLDEN = json.loads((FIXTURES / "golden.json").read_text(encoding="utf-8"))
 CHECKPOINT = FIXTURES / GOLDEN["checkpoint"]
 ON_CPU = ["--device", "cpu", "--threads", "1"]

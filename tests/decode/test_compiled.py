@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-import attn_cli.compiled
-from attn_cli.compiled import CAPACITY_STEP, StepDecoder
+import attn_cli.decode.compiled
 from attn_cli.config import PRESETS
+from attn_cli.decode.compiled import CAPACITY_STEP, StepDecoder
 from attn_cli.devices import inference_model
 from attn_cli.model import Transformer
 from attn_cli.search import beam_search, sample, sentence_uniforms
 
-from .conftest import run_attn, run_attn_process
-from .toys import random_model
+from ..conftest import run_attn, run_attn_process
+from ..toys import random_model
 
 # Sources of three lengths: their sentences reach their length limits at different steps, so
 # the batch loses sentences as it goes (the cache's source side reordered), and a limit of
@@ -73,7 +73,7 @@ def test_a_compiler_that_fails_leaves_the_same_step_uncompiled_and_one_line(monk
     model = inference_model(random_model(vocab=40, seed=4), torch.device("cpu"),
                             linears="packed")
     expected = searches(model)
-    monkeypatch.setattr(attn_cli.compiled.torch, "compile", broken_compile)
+    monkeypatch.setattr(attn_cli.decode.compiled.torch, "compile", broken_compile)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # not the user's cache
     said: list[str] = []
     stepped = StepDecoder(model, warn=said.append)

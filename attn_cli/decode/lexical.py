@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .search import topk_over_beams
+from ..search import topk_over_beams
 
 # What an output that misses a constraint at its length limit loses (log-probability): more
 # than any output's own score, so that every output holding its phrases ranks first.

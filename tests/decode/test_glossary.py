@@ -12,8 +12,8 @@ import unicodedata
 
 import pytest
 
+from attn_cli.decode.glossary import MARK_PLANES, Glossary, Match, Term
 from attn_cli.errors import AttnError
-from attn_cli.glossary import MARK_PLANES, Glossary, Match, Term
 
 
 def glossary_file(tmp_path, content: str | bytes):

@@ -19,8 +19,8 @@ import math
 import torch
 from torch import Tensor
 
-from .errors import AttnError
-from .search import topk_over_beams
+from ..errors import AttnError
+from ..search import topk_over_beams
 
 
 class PrefixConstraint:

@@ -46,8 +46,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .devices import PackedLinear
-from .model import Transformer, attention_written_out, reordered
+from ..devices import PackedLinear
+from ..model import Transformer, attention_written_out, reordered
 
 CAPACITY_STEP = 16  # positions a cache grows by: a graph's shapes change this seldom
 

@@ -1,4 +1,4 @@
-"""Vocabulary shortlists (attn_cli/shortlist.py; issue 44): IBM model 1 against the textbook's
+"""Vocabulary shortlists (decode/shortlist.py; issue 44): IBM model 1 against the textbook's
 loops, the shortlist's choice, the output projection over a shortlist against the full one
 masked, a search with every piece shortlisted equal to the free search, and `attn shortlist` and
 `decode --shortlist` through the real entry point, bad files included."""
@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from attn_cli.data import ParallelData
+from attn_cli.decode.shortlist import Shortlist, build, ibm_model1
+from attn_cli.decode.translator import load_translator, use_shortlist
 from attn_cli.devices import inference_model
 from attn_cli.search import beam_search, sample, sentence_uniforms
-from attn_cli.shortlist import Shortlist, build, ibm_model1
-from attn_cli.translate import load_translator, use_shortlist
 from attn_cli.vocab import Vocabulary
 
-from .conftest import assert_clean_error, run_attn
-from .toys import random_model, save_random_model
+from ..conftest import assert_clean_error, run_attn
+from ..toys import random_model, save_random_model
 
 
 def textbook_model1(pairs: list[tuple[list[int], list[int]]], null: int,
@@ -76,7 +76,7 @@ def test_ibm_model1_is_the_textbooks(data):
 
 def test_chunks_cut_anywhere_learn_the_same_table(data, monkeypatch):
     whole = ibm_model1(data, iterations=2)
-    monkeypatch.setattr("attn_cli.shortlist.CHUNK_ENTRIES", 997)  # many small chunks
+    monkeypatch.setattr("attn_cli.decode.shortlist.CHUNK_ENTRIES", 997)  # many small chunks
     cut = ibm_model1(data, iterations=2)
     assert np.array_equal(whole.keys, cut.keys)
     assert np.allclose(whole.probs, cut.probs, rtol=1e-12, atol=0)
@@ -170,7 +170,7 @@ def test_a_search_over_a_shortlist_is_the_masked_models_and_over_everything_the_
     assert [h[0].tokens for h in drawn] == [h[0].tokens for h in masked_drawn]
     # under a constraint (ids of the whole vocabulary) the logits are spread over it: a
     # phrase of shortlisted pieces is held, and nothing outside the shortlist is written
-    from attn_cli.controls import Controls, search_constraint
+    from attn_cli.decode.controls import Controls, search_constraint
 
     phrase = (17, 13)
     with torch.inference_mode():
