@@ -697,13 +697,15 @@ def decode(
 ) -> None:
     """Translate stdin to stdout with beam search (paper §6.1), or by sampling: one line out
     per line in."""
-    from .decode.pipe import check_alignment, check_split_sentences, sentence_language
+    from .decode.pipe import (
+        check_alignment,
+        check_controls,
+        check_split_sentences,
+        sentence_language,
+    )
     from .decode.translator import load_translator
 
     check_split_sentences(split_sentences, source_lang, nbest, attention is not None)
-    from .decode.pipe import check_controls
-    from .decode.translator import use_controls
-
     check_controls(prefix, constraints, split_sentences, attention is not None, sample,
                    glossary is not None)
     check_alignment(alignment, alignment_layer, raw)
@@ -715,18 +717,14 @@ def decode(
                                  temperature=temperature, seed=seed,
                                  batch_tokens=batch_tokens, buffer_size=buffer_size, raw=raw,
                                  int8=int8, constraint_search=constraint_search,
-                                 target_lang=target_lang, compile=compile.value)
+                                 target_lang=target_lang, compile=compile.value,
+                                 glossary=glossary, bans=ban, shortlist=shortlist_path)
     if target_lang is None:
         from .tags import untagged_note
 
         note = untagged_note(translator.src_vocab, str(model_path[0]))
         if note:
             log(f"decode: warning: {note}")
-    use_controls(translator, glossary, ban)
-    if shortlist_path is not None:
-        from .decode.translator import use_shortlist
-
-        use_shortlist(translator, shortlist_path)
     loaded_in = time.perf_counter() - started
     log(f"decode: model loaded in {loaded_in:.2f}s")
     render = None
@@ -890,30 +888,19 @@ def serve(
                            req_limit=req_limit,
                            metrics_auth_token=metrics_auth_token or None)
     options.check_defaults(beam, max_len_b)
-    # Read now: a bad line is an error before the server starts, not at a model's load.
-    from .decode.glossary import Glossary
+    # Read once, now: a bad file is an error before the server starts, not at a model's load.
+    from .decode.controls import read_controls
 
-    terms = Glossary.read(glossary) if glossary is not None else None
-    if ban is not None:
-        from .files import check_readable
-
-        check_readable(ban, "ban file")
-    shortlist = None
-    if shortlist_path is not None:
-        from .decode.shortlist import Shortlist
-
-        shortlist = Shortlist.load(shortlist_path)
+    terms, bans, shortlist = read_controls(glossary, ban, shortlist_path)
 
     def load(files: list[Path]):
-        from .decode.translator import load_translator, use_controls, use_shortlist
+        from .decode.translator import load_translator
 
         translator = load_translator(files, beam, device=device.value, dtype=dtype.value,
                                      threads=threads, workers=workers, warn=log, alpha=alpha,
                                      max_len_a=max_len_a, max_len_b=max_len_b, stop=stop,
-                                     batch_tokens=batch_tokens, int8=int8)
-        use_controls(translator, terms, ban)
-        if shortlist is not None:
-            use_shortlist(translator, shortlist, shortlist_path)
+                                     batch_tokens=batch_tokens, int8=int8, glossary=terms,
+                                     bans=bans, shortlist=shortlist)
         _collector_on(loaded=True)
         return translator
 

@@ -8,7 +8,10 @@ computed once per batch and sentences that are done leave the batch. `beam_searc
 orchestration; small pure functions below it do each part (the length limits, the step's
 candidates, finishing hypotheses, keeping the live ones, dropping done sentences), so that each can
 be tested against hand computation. The search knows nothing of what it decodes: it talks to the
-model and to an optional constraint (parsing's well-formed trees) through the two protocols below.
+model and to an optional constraint through the two protocols below (`SearchModel`, `Constraint`):
+parsing's well-formed trees, decode's prefixes, phrases to hold and to ban (attn_cli/decode/), or
+several of them chained. A vocabulary shortlist is one more thing a batch may have: `start_search`,
+which both searches share, says how a step works over it.
 """
 
 from __future__ import annotations
@@ -118,9 +121,11 @@ class Constraint(Protocol):
     """Which tokens each hypothesis may take next (`Unconstrained`, below, parsing's
     `attn_cli.parse.constraint.TreeConstraint`, or decode's
     `attn_cli.decode.prefix.PrefixConstraint`). Its state holds a (B', K) row per live
-    hypothesis: B' sentences still searching, K beams."""
+    hypothesis: B' sentences still searching, K beams. `Unconstrained` is every constraint's
+    base: each of its methods does nothing, so that a constraint writes only what it changes."""
 
     eos_column: int  # where EOS is among the candidates' columns
+    ranks: bool  # whether `rank` orders the candidates its own way (not the best 2K first)
 
     def to(self, device) -> "Constraint":
         """The constraint with its tensors on `device`."""
@@ -161,7 +166,10 @@ class Constraint(Protocol):
 
 class Unconstrained:
     """The constraint of a free search (translation): any token may come next, and the
-    candidates are the vocabulary itself. Each method is the identity of its part."""
+    candidates are the vocabulary itself. Each method is the identity of its part: the base
+    every constraint extends, writing only the parts it changes."""
+
+    ranks = False
 
     def __init__(self, eos_id: int):
         self.eos_column = eos_id
@@ -169,29 +177,78 @@ class Unconstrained:
     def to(self, device) -> "Unconstrained":
         return self
 
-    def start(self, batch: int, beam: int, device) -> None:
+    def start(self, batch: int, beam: int, device) -> Any:
         return None
 
-    def candidates(self, log_probs: Tensor, state: None, active: Tensor, steps_left: Tensor,
-                   at_limit: Tensor) -> tuple[Tensor, None]:
+    def candidates(self, log_probs: Tensor, state: Any, active: Tensor, steps_left: Tensor,
+                   at_limit: Tensor) -> tuple[Tensor, Any]:
         return log_probs, None
 
-    def token_ids(self, columns: None, origin: Tensor, picked: Tensor) -> Tensor:
+    def token_ids(self, columns: Any, origin: Tensor, picked: Tensor) -> Tensor:
         return picked
 
-    def advance(self, state: None, origin: Tensor, tokens: Tensor) -> None:
-        return None
+    def advance(self, state: Any, origin: Tensor, tokens: Tensor) -> Any:
+        return state
 
-    def rank(self, scores: Tensor, log_probs: Tensor, columns: None, state: None,
+    def rank(self, scores: Tensor, log_probs: Tensor, columns: Any, state: Any,
              beam: int) -> tuple[Tensor, Tensor, Tensor]:
         return topk_over_beams(scores, log_probs, 2 * beam)
 
-    def bound(self, state: None, chosen: Tensor, active: Tensor, length: int,
+    def bound(self, state: Any, chosen: Tensor, active: Tensor, length: int,
               limit: Tensor) -> Tensor:
         return limit
 
-    def select(self, state: None, chosen: Tensor, kept: Tensor | None) -> None:
-        return None
+    def select(self, state: Any, chosen: Tensor, kept: Tensor | None) -> Any:
+        return state
+
+
+class Chained(Unconstrained):
+    """Several constraints over the vocabulary's columns at once (decode's prefix, phrases to
+    meet and phrases banned): each masks the candidates in turn and keeps its own state, each
+    bounds the output in turn, and the one that ranks its own way, if one does, ranks."""
+
+    def __init__(self, parts: list):
+        super().__init__(parts[0].eos_column)
+        self.parts = parts
+        rankers = [place for place, part in enumerate(parts) if part.ranks]
+        if len(rankers) > 1:
+            raise ValueError("two constraints that each rank the candidates their own way "
+                             "cannot be chained")
+        self.ranker = rankers[0] if rankers else None
+        self.ranks = self.ranker is not None
+
+    def to(self, device) -> "Chained":
+        return Chained([part.to(device) for part in self.parts])
+
+    def start(self, batch: int, beam: int, device) -> tuple:
+        return tuple(part.start(batch, beam, device) for part in self.parts)
+
+    def candidates(self, log_probs: Tensor, state: tuple, active: Tensor, steps_left: Tensor,
+                   at_limit: Tensor) -> tuple[Tensor, None]:
+        for part, part_state in zip(self.parts, state):
+            log_probs, _ = part.candidates(log_probs, part_state, active, steps_left, at_limit)
+        return log_probs, None
+
+    def advance(self, state: tuple, origin: Tensor, tokens: Tensor) -> tuple:
+        return tuple(part.advance(part_state, origin, tokens)
+                     for part, part_state in zip(self.parts, state))
+
+    def rank(self, scores: Tensor, log_probs: Tensor, columns: None, state: tuple,
+             beam: int) -> tuple[Tensor, Tensor, Tensor]:
+        if self.ranker is None:
+            return super().rank(scores, log_probs, columns, state, beam)
+        return self.parts[self.ranker].rank(scores, log_probs, columns, state[self.ranker],
+                                            beam)
+
+    def bound(self, state: tuple, chosen: Tensor, active: Tensor, length: int,
+              limit: Tensor) -> Tensor:
+        for part, part_state in zip(self.parts, state):
+            limit = part.bound(part_state, chosen, active, length, limit)
+        return limit
+
+    def select(self, state: tuple, chosen: Tensor, kept: Tensor | None) -> tuple:
+        return tuple(part.select(part_state, chosen, kept)
+                     for part, part_state in zip(self.parts, state))
 
 
 class ShortlistColumns(Unconstrained):
@@ -210,26 +267,59 @@ class ShortlistColumns(Unconstrained):
         return self.ids[picked]
 
 
-def shortlist_search(output_ids: Tensor | None, constraint: Constraint | None, config,
-                     banned: Tensor
-                     ) -> tuple[Constraint, Tensor, Callable[[Tensor], Tensor] | None]:
-    """How a search runs over the shortlist `output_ids` (None: none): (its constraint, the
-    banned columns, what spreads a step's logits over the whole vocabulary, or None where
-    they are the constraint's columns already). Free, the search works in the shortlist's
-    columns (`ShortlistColumns`: its softmax and top-k over those alone); under a constraint,
-    which speaks of target ids, each step's logits are spread, -inf outside the shortlist."""
+@dataclass
+class Setup:
+    """What a search of one batch works with, set up before its first step (`start_search`)."""
+
+    limits: Tensor  # (B,) each sentence's longest output, EOS included
+    limit_lengths: set[int]  # the lengths at which some sentence reaches its limit
+    cache: Any  # the model's, after the encoder's pass
+    constraint: Constraint  # over the columns of a step's log-probabilities, on the device
+    banned: Tensor  # the columns never chosen
+    # What spreads a step's logits over the whole vocabulary, or None where they are the
+    # constraint's columns already.
+    spread: Callable[[Tensor], Tensor] | None
+    called_off: "CalledOff"
+
+    def log_probs(self, logits: Tensor) -> Tensor:
+        """A step's log-probabilities in the constraint's columns, the banned ones -inf (never
+        chosen, but not renormalised away)."""
+        if self.spread is not None:
+            logits = self.spread(logits)
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        return log_probs.index_fill_(-1, self.banned, -math.inf)
+
+
+def start_search(model: SearchModel, src_tokens: Tensor, max_len_a: float, max_len_b: int,
+                 longest: int | None, banned: tuple[int, ...] | None,
+                 constraint: Constraint | None, output_ids: Tensor | None,
+                 cancelled: Callable[[], Iterable[int]] | None) -> Setup:
+    """Both searches' set-up: the length limits, the encoder's pass and the decoder's cache,
+    and how a step works over the shortlist `output_ids` (None: none), the one place a search
+    deals with it. Free, the search works in the shortlist's columns (`ShortlistColumns`: its
+    softmax and top-k over those alone); under a constraint, which speaks of target ids, each
+    step's logits are spread, -inf outside the shortlist."""
+    config, device = model.config, src_tokens.device
+    banned = banned_ids(config, banned, device)
+    limits = output_limits(src_tokens, config.pad_id, max_len_a, max_len_b, longest)  # (B,)
+    limit_lengths = set(limits.tolist())
+    memory, src_mask = model.encode(src_tokens)
+    cache = start_decoding(model, memory, src_mask, output_ids)
+    spread = None
     if output_ids is None:
-        return constraint or Unconstrained(config.eos_id), banned, None
-    if constraint is not None:
+        constraint = constraint or Unconstrained(config.eos_id)
+    elif constraint is not None:
         size = config.tgt_vocab_size
 
         def spread(logits: Tensor) -> Tensor:
             full = logits.new_full((logits.shape[0], size), -math.inf)
             return full.index_copy_(1, output_ids, logits)
-        return constraint, banned, spread
-    places = torch.searchsorted(output_ids, banned).clamp(max=len(output_ids) - 1)
-    banned_columns = places[output_ids[places] == banned]  # a batch's one read
-    return ShortlistColumns(output_ids, config.eos_id), banned_columns, None
+    else:
+        places = torch.searchsorted(output_ids, banned).clamp(max=len(output_ids) - 1)
+        banned = places[output_ids[places] == banned]  # a batch's one read
+        constraint = ShortlistColumns(output_ids, config.eos_id)
+    return Setup(limits, limit_lengths, cache, constraint.to(device), banned, spread,
+                 CalledOff(cancelled, len(src_tokens), device))
 
 
 @torch.inference_mode()
@@ -256,29 +346,22 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
     are grouped K per sentence, which the model uses to share each source's memory."""
     config, stop = model.config, Stop(stop)
     batch, device, nbest = src_tokens.shape[0], src_tokens.device, min(nbest, beam)
-    banned = banned_ids(config, banned, device)
-    limits = output_limits(src_tokens, config.pad_id, max_len_a, max_len_b, longest)  # (B,)
+    setup = start_search(model, src_tokens, max_len_a, max_len_b, longest, banned, constraint,
+                         output_ids, cancelled)
     # The lengths at which some sentence reaches its limit: only at those steps can a row be
     # at its limit, so only then is there anything to do about it.
-    limit_lengths = set(limits.tolist())
+    limits, limit_lengths, cache = setup.limits, setup.limit_lengths, setup.cache
+    constraint, called_off = setup.constraint, setup.called_off
     finished = Finished(batch, nbest, length_penalties(max(limit_lengths), alpha, device))
-    memory, src_mask = model.encode(src_tokens)
     # One hypothesis per sentence to begin with (BOS): the first step ranks its 2K extensions,
     # and K rows per sentence only from the second step on (K copies of BOS would cost a
     # full step's work for nothing).
-    cache = start_decoding(model, memory, src_mask, output_ids)
     live = Beams.start(batch, config.bos_id, device)
-    constraint, banned, spread = shortlist_search(output_ids, constraint, config, banned)
-    constraint = constraint.to(device)
     state = constraint.start(batch, 1, device)
-    called_off = CalledOff(cancelled, batch, device)
 
     for step in range(max(limit_lengths)):
         logits, cache = model.decode_step(live.tokens.view(-1), cache)
-        if spread is not None:
-            logits = spread(logits)
-        log_probs = torch.log_softmax(logits.float(), dim=-1).view(*live.scores.shape, -1)
-        log_probs.index_fill_(-1, banned, -math.inf)  # never chosen, but not renormalised away
+        log_probs = setup.log_probs(logits).view(*live.scores.shape, -1)
         limit = limits[live.active]  # (B',)
         at_limit = limit <= step + 1
         log_probs, columns = constraint.candidates(log_probs, state, live.active,
@@ -556,27 +639,14 @@ def draw(log_probs: Tensor, uniforms: Tensor, temperature: float = 1.0, topk: in
     return tokens.gather(1, pick.unsqueeze(1)).squeeze(1)
 
 
-def _draw_free(log_probs: Tensor, uniforms: Tensor, drawing: tuple[float, int, float],
-               at_limit: Tensor | None, eos_id: int,
-               columns: ShortlistColumns | None) -> tuple[Tensor, Tensor]:
-    """One step of `sample` with no constraint: the rows `at_limit` (None: none) can only
-    end; returns the tokens drawn and their log-probabilities. `columns`: log_probs' columns
-    are a shortlist's (None: the vocabulary)."""
-    if at_limit is not None:
-        only_eos_at_limit(log_probs.unsqueeze(1), at_limit,
-                          eos_id if columns is None else columns.eos_column)
-    picked = draw(log_probs, uniforms, *drawing)
-    gained = log_probs.gather(1, picked.unsqueeze(1)).squeeze(1).double()
-    return (picked if columns is None else columns.ids[picked]), gained
-
-
-def _draw_constrained(constraint: Constraint, state, first: Tensor, log_probs: Tensor,
-                      limits: Tensor, step: int, at_a_limit: bool, uniforms: Tensor,
-                      drawing: tuple[float, int, float], active: Tensor
-                      ) -> tuple[Tensor, Tensor, Any]:
-    """One step of `sample` under a constraint: the free step's code on the candidates'
-    columns, each live row one beam (`first`: zeros). Returns the tokens, their
-    log-probabilities and the constraint's new state."""
+def _draw_step(constraint: Constraint, state, first: Tensor, log_probs: Tensor,
+               limits: Tensor, step: int, at_a_limit: bool, uniforms: Tensor,
+               drawing: tuple[float, int, float], active: Tensor
+               ) -> tuple[Tensor, Tensor, Any]:
+    """One step of `sample`: a draw among the constraint's candidates (a free search's: the
+    log-probabilities themselves), each live row one beam (`first`: zeros); a row at its
+    `limits` can only end. Returns the tokens, their log-probabilities and the constraint's new
+    state."""
     at_limit = limits <= step + 1
     candidates, columns = constraint.candidates(log_probs.unsqueeze(1), state, active,
                                                 limits - step - 1, at_limit)
@@ -602,43 +672,28 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
     `uniforms` (B, ≥ longest limit) the random numbers of each sentence (`sentence_uniforms`).
     Returns one hypothesis per sentence, its score the sum of the model's log-probabilities.
     `cancelled`: as `beam_search`'s. `constraint`: as `beam_search`'s, each sentence one
-    hypothesis (K = 1), drawn among its candidates (None: the free search, untouched).
+    hypothesis (K = 1), drawn among its candidates (None: the free search).
     `output_ids`: as `beam_search`'s."""
     config = model.config
     batch, device = src_tokens.shape[0], src_tokens.device
-    banned = banned_ids(config, banned, device)
-    limits = output_limits(src_tokens, config.pad_id, max_len_a, max_len_b, longest)
-    limit_lengths = set(limits.tolist())  # as in beam_search
+    setup = start_search(model, src_tokens, max_len_a, max_len_b, longest, banned, constraint,
+                         output_ids, cancelled)
+    limits, limit_lengths, cache = setup.limits, setup.limit_lengths, setup.cache
+    constraint, called_off = setup.constraint, setup.called_off
     uniforms = uniforms.to(device)  # once: indexed by the live rows on the device each step
-    memory, src_mask = model.encode(src_tokens)
-    cache = start_decoding(model, memory, src_mask, output_ids)
-    searched, banned, spread = shortlist_search(output_ids, constraint, config, banned)
-    columns = searched if isinstance(searched, ShortlistColumns) else None  # free, shortlisted
     drawing = (temperature, topk, topp)
     active = torch.arange(batch, device=device)
     tokens = torch.full((batch,), config.bos_id, dtype=torch.long, device=device)
     history = torch.empty((batch, 0), dtype=torch.long, device=device)
     scores = torch.zeros(batch, dtype=torch.float64, device=device)
     finished: list[Tensor] = []  # `finished_rows`, read after the search
-    called_off = CalledOff(cancelled, batch, device)
-    if constraint is not None:
-        constraint = constraint.to(device)
-        state, first = constraint.start(batch, 1, device), torch.zeros(
-            (batch, 1), dtype=torch.long, device=device)  # every row's one "beam"
+    state = constraint.start(batch, 1, device)
+    first = torch.zeros((batch, 1), dtype=torch.long, device=device)  # each row's one "beam"
     for step in range(max(limit_lengths)):
         logits, cache = model.decode_step(tokens, cache)
-        if spread is not None:
-            logits = spread(logits)
-        log_probs = torch.log_softmax(logits.float(), dim=-1)
-        log_probs.index_fill_(-1, banned, -math.inf)
-        if constraint is not None:
-            tokens, gained, state = _draw_constrained(
-                constraint, state, first, log_probs, limits[active], step,
-                step + 1 in limit_lengths, uniforms[active, step], drawing, active)
-        else:
-            at_limit = limits[active] <= step + 1 if step + 1 in limit_lengths else None
-            tokens, gained = _draw_free(log_probs, uniforms[active, step], drawing, at_limit,
-                                        config.eos_id, columns)
+        tokens, gained, state = _draw_step(
+            constraint, state, first, setup.log_probs(logits), limits[active], step,
+            step + 1 in limit_lengths, uniforms[active, step], drawing, active)
         scores += gained
         ends = tokens == config.eos_id
         called_off_rows = called_off.rows(active)
@@ -656,8 +711,7 @@ def sample(model: SearchModel, src_tokens: Tensor, uniforms: Tensor, temperature
             active, tokens, history, scores = active[kept], tokens[kept], history[kept], \
                 scores[kept]
             cache = cache.reorder(kept, kept)
-            if constraint is not None:
-                state = constraint.select(state, first[:len(ends)], kept)
+            state = constraint.select(state, first[:len(ends)], kept)
         history = torch.cat([history, tokens.unsqueeze(1)], dim=1)
     found: list[list[Hypothesis]] = [[] for _ in range(batch)]
     for sentence, hypothesis in read_hypotheses(finished):

@@ -236,3 +236,10 @@ def assert_same_weights(a: dict, b: dict, atol: float = 0.0) -> None:
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0 if atol == 0 else 1e-5,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def decode(model, lines: list[str], *options) -> list[str]:
+    """`attn decode -m model OPTIONS` of `lines` through the entry point: its output lines."""
+    result = run_attn("decode", "-m", model, *options, stdin="\n".join(lines) + "\n")
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split("\n")[:-1]

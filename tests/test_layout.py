@@ -179,3 +179,39 @@ def test_no_import_circle_so_every_import_runs_down():
     assert "attn_cli.decode.sentences" in graph["attn_cli.serve.api"]  # `from ..decode import`
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles(graph) == []
+
+
+def test_no_function_body_over_60_lines():
+    """A function whose body (its docstring left out) passes 60 lines does more than one thing:
+    the parts get names of their own."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body
+            if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:] or body
+            lines = body[-1].end_lineno - body[0].lineno + 1
+            if lines > 60:
+                long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {lines}")
+    assert not long, "\n".join(long)
+
+
+TORCH_FREE = ["formats", "config", "errors", "files", "stfile", "compound_bleu", "alignment",
+              "tags", "decode.sentences", "decode.markup", "decode.glossary", "decode.controls",
+              "parse.trees", "parse.parsing", "parse.evalb"]
+
+
+def test_the_text_modules_import_without_torch():
+    """What `attn --help`, completion, text scoring, `parse linearize` and a server's request
+    reading stand on loads no torch (docs/layout.md lists these modules)."""
+    import subprocess
+    import sys
+
+    code = ("import importlib, sys\n"
+            f"for name in {TORCH_FREE!r}:\n"
+            "    importlib.import_module('attn_cli.' + name)\n"
+            "    assert 'torch' not in sys.modules, name\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -3,6 +3,7 @@ beam search against exhaustive search, batch independence, early stopping, sampl
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import itertools
 import math
@@ -14,9 +15,11 @@ import torch
 from attn_cli.model import DecoderCache, Transformer, grow_cache, sinusoidal_positions
 from attn_cli.search import (
     Beams,
+    Chained,
     Finished,
     Hypothesis,
     Stop,
+    Unconstrained,
     beam_search,
     can_stop,
     draw,
@@ -32,7 +35,8 @@ from attn_cli.search import (
     topk_over_beams,
 )
 
-from .toys import HostSyncs, random_model
+from .conftest import REPO
+from .toys import CountedSteps, HostSyncs, random_model
 
 # ---------------------------------------------------------------------------------- pure pieces
 
@@ -406,37 +410,6 @@ def test_sampling_is_reproducible_batch_independent_and_greedy_at_top1():
 # ------------------------------------------------------------------------------ on a GPU's terms
 
 
-class CountedSteps:
-    """`random_model`, whose outputs seldom end before their limit, made to end sooner: EOS
-    gains a set bonus after each token and 1.2 per step. Each step's start is marked in the
-    counts of `syncs`."""
-
-    def __init__(self, syncs: HostSyncs, vocab: int = 40):
-        self.model, self.syncs, self.marks = random_model(vocab, seed=5), syncs, []
-        self.config = self.model.config
-        self.eos_bonus = torch.zeros(vocab, vocab)
-        self.eos_bonus[:, 3] = 4 * torch.randn(vocab, generator=torch.Generator().manual_seed(2))
-        self.eos_slope = torch.zeros(vocab)
-        self.eos_slope[3] = 1.2
-
-    def encode(self, src_tokens):
-        return self.model.encode(src_tokens)
-
-    def start_decoding(self, memory, src_mask):
-        return self.model.start_decoding(memory, src_mask)
-
-    def decode_step(self, tokens, cache):
-        self.marks.append((len(self.syncs.reads), len(self.syncs.uploads)))
-        logits, grown = self.model.decode_step(tokens, cache)
-        return logits + self.eos_bonus[tokens] + self.eos_slope * cache.step, grown
-
-    def per_step(self) -> list[tuple[int, int]]:
-        """(reads, uploads) from each step's start to the next's, the last's to the end."""
-        ends = self.marks[1:] + [(len(self.syncs.reads), len(self.syncs.uploads))]
-        return [(reads - reads_before, uploads - uploads_before) for
-                (reads_before, uploads_before), (reads, uploads) in zip(self.marks, ends)]
-
-
 def test_the_sync_counter_sees_what_a_cpu_run_hides():
     """`HostSyncs`, which the test below trusts: on a CPU, `.tolist()` and `.to(device)`
     dispatch no op, and data uploaded from a Python list shows only as torch's lift_fresh."""
@@ -554,3 +527,77 @@ def test_sentences_called_off_leave_and_the_others_find_the_same(beam, nbest):
     width_of = 1 if beam in (1, "sample") else beam
     assert rows[3] <= width_of * 6 and calling_off.asked == len(rows)
     assert search(CallingOff(list(range(8)), after=0))[1] == rows[:1]  # all off: one step
+
+
+# --------------------------------------------------------------------------- the constraints
+
+
+def constraint_classes() -> dict[str, ast.ClassDef]:
+    """Every class of the package that implements the constraint protocol (it defines
+    `candidates`), read from the sources: "module.Class" → its definition."""
+    found = {}
+    for path in sorted((REPO / "attn_cli").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(item, ast.FunctionDef) and item.name == "candidates"
+                    for item in node.body):
+                found[f"{path.stem}.{node.name}"] = node
+    return found
+
+
+def body_of(function: ast.FunctionDef) -> str:
+    """A method's statements (its docstring left out), as their syntax tree: what it does."""
+    statements = function.body
+    if statements and isinstance(statements[0], ast.Expr) and \
+            isinstance(statements[0].value, ast.Constant):
+        statements = statements[1:]
+    return ast.dump(ast.Module(statements, []))
+
+
+def test_every_constraint_extends_unconstrained_and_writes_only_what_it_changes():
+    """The do-nothing behaviour of each part of the protocol is written once, in
+    `Unconstrained`; a constraint extends it and defines only the parts it changes, none that
+    does again what the base does."""
+    classes = constraint_classes()
+    base = classes.pop("search.Unconstrained")
+    classes.pop("search.Constraint")  # the protocol itself
+    identities = {item.name: body_of(item) for item in base.body
+                  if isinstance(item, ast.FunctionDef) and item.name != "__init__"}
+    assert set(identities) == {"to", "start", "candidates", "token_ids", "advance", "rank",
+                               "bound", "select"}
+    assert {"prefix.PrefixConstraint", "lexical.LexicalConstraint", "lexical.BannedPhrases",
+            "constraint.TreeConstraint"} <= set(classes)
+    again = []
+    for name, node in classes.items():
+        assert [ast.unparse(base) for base in node.bases] == ["Unconstrained"], name
+        again += [f"{name}.{item.name}" for item in node.body
+                  if isinstance(item, ast.FunctionDef)
+                  and identities.get(item.name) == body_of(item)]
+    assert not again, f"do-nothing methods written again: {again}"
+
+
+class Ranking(Unconstrained):
+    """A constraint that ranks its own way (the candidates of the worst scores first), so
+    that a test sees whose `rank` a chain asks."""
+
+    ranks = True
+
+    def rank(self, scores, log_probs, columns, state, beam):
+        self.asked = True
+        return topk_over_beams(scores, -log_probs.masked_fill(log_probs == -math.inf, math.inf),
+                               2 * beam)
+
+
+def test_a_chain_asks_its_parts_which_one_ranks():
+    free, ranking = Unconstrained(3), Ranking(3)
+    assert not Chained([free, Unconstrained(3)]).ranks
+    chain = Chained([free, ranking])
+    assert chain.ranks and chain.ranker == 1
+    scores, log_probs = torch.zeros(1, 1), torch.log_softmax(torch.randn(1, 1, 9), dim=-1)
+    assert torch.equal(chain.rank(scores, log_probs, None, (None, None), 2)[2],
+                       ranking.rank(scores, log_probs, None, None, 2)[2])
+    assert not torch.equal(chain.rank(scores, log_probs, None, (None, None), 2)[2],
+                           Chained([free]).rank(scores, log_probs, None, (None,), 2)[2])
+    with pytest.raises(ValueError, match="cannot be chained"):
+        Chained([Ranking(3), ranking])

@@ -1,10 +1,12 @@
 """Toys of our own for tests: a treebank whose brackets follow from its words, trees in the Penn
 Treebank's trickier style, the sequence-reversal task, and models with random weights for tests
-that need a model but not a trained one. (tests/fixtures/make_fixtures.py imports this file too.)"""
+that need a model but not a trained one, and the helpers several test files share.
+(tests/fixtures/make_fixtures.py imports this file too.)"""
 
 from __future__ import annotations
 
 import random
+from html.parser import HTMLParser
 from pathlib import Path
 
 import torch
@@ -194,3 +196,72 @@ class _TensorMethods(torch.overrides.TorchFunctionMode):
 
 def _flat(indices) -> list:
     return [index for index in (indices if isinstance(indices, (list, tuple)) else [indices])]
+
+
+class CountedSteps:
+    """`random_model`, whose outputs seldom end before their limit, made to end sooner: EOS
+    gains a set bonus after each token and 1.2 per step. Each step's start is marked in the
+    counts of `syncs`."""
+
+    def __init__(self, syncs: HostSyncs, vocab: int = 40):
+        self.model, self.syncs, self.marks = random_model(vocab, seed=5), syncs, []
+        self.config = self.model.config
+        self.eos_bonus = torch.zeros(vocab, vocab)
+        self.eos_bonus[:, 3] = 4 * torch.randn(vocab, generator=torch.Generator().manual_seed(2))
+        self.eos_slope = torch.zeros(vocab)
+        self.eos_slope[3] = 1.2
+
+    def encode(self, src_tokens):
+        return self.model.encode(src_tokens)
+
+    def start_decoding(self, memory, src_mask):
+        return self.model.start_decoding(memory, src_mask)
+
+    def decode_step(self, tokens, cache):
+        self.marks.append((len(self.syncs.reads), len(self.syncs.uploads)))
+        logits, grown = self.model.decode_step(tokens, cache)
+        return logits + self.eos_bonus[tokens] + self.eos_slope * cache.step, grown
+
+    def per_step(self) -> list[tuple[int, int]]:
+        """(reads, uploads) from each step's start to the next's, the last's to the end."""
+        ends = self.marks[1:] + [(len(self.syncs.reads), len(self.syncs.uploads))]
+        return [(reads - reads_before, uploads - uploads_before) for
+                (reads_before, uploads_before), (reads, uploads) in zip(self.marks, ends)]
+
+
+class _Tags(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def handle_starttag(self, tag, attrs):
+        self.seen.append(("start", tag, attrs))
+
+    def handle_startendtag(self, tag, attrs):
+        self.seen.append(("empty", tag, attrs))
+
+    def handle_endtag(self, tag):
+        self.seen.append(("end", tag))
+
+    def handle_comment(self, data):
+        self.seen.append(("comment", data))
+
+
+def tag_tree(document: str) -> list:
+    """The start and end tags (with attributes) and comments of a document, in order."""
+    parser = _Tags()
+    parser.feed(document)
+    parser.close()
+    return parser.seen
+
+
+def marian_greedy(marian, tokenizer, lines: list[str]) -> list[str]:
+    """generate() one line at a time with attn's limit of |x| + 50 tokens, EOS forced last."""
+    outputs = []
+    for line in lines:
+        ids = torch.tensor([tokenizer(line)["input_ids"]])
+        with torch.inference_mode():
+            found = marian.generate(input_ids=ids, num_beams=1, do_sample=False,
+                                    max_length=1 + ids.shape[1] - 1 + 50)
+        outputs.append(tokenizer.decode(found[0], skip_special_tokens=True))
+    return outputs

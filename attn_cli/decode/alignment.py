@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
 
 from ..alignment import Alignment, clamped, layer_index, piece_words, word_pairs, word_spans
-
-if TYPE_CHECKING:
-    from torch import Tensor
+from ..batching import collate_pairs
+from ..model import AttentionWeights
 
 
 def default_layer(layers: int) -> int:
@@ -63,8 +64,6 @@ def alignment_attention(model, src_tokens: Tensor, tgt_input: Tensor,
     supervised head, else the penultimate layer's heads), in a teacher-forced pass over the
     padded batch src_tokens (B, S), tgt_input (B, T) (BOS + output). Row t is the query that
     predicts output piece t; the columns of the source's </s> and padding are -inf."""
-    from ..model import AttentionWeights
-
     layer, heads = chosen_heads(model.config, layer, heads)
     memory, src_mask = model.encode(src_tokens)
     # Only the encoder-decoder attention written out (`decoder=None`: the self-attention keeps
@@ -88,10 +87,6 @@ def align(model, sources: list[list[int]], outputs: list[list[int]],
     `source_words` and `output_words` the word of each id (`piece_words`). `tags`: how many
     ids every source starts with that are no word of it (tags.py's target-language tags, which
     `source_words` counts as -1): never aligned."""
-    import torch  # not before: the markup that counts words needs no torch
-
-    from ..batching import collate_pairs
-
     config = model.config
     device = next(model.parameters()).device
     found = []

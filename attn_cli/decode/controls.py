@@ -1,7 +1,10 @@
-"""What a user controls in a translation besides its source: a target prefix (`prefix.py`),
-phrases the output must hold (`--constraints`, a glossary's terms) and phrases it must not
-(`--ban`), read from decode's input lines and files and made into the search's constraint
-(`lexical.py`) for each batch.
+"""What a user controls in a translation besides its source: a target prefix, phrases the output
+must hold (`--constraints`, a glossary's terms) and phrases it must not (`--ban`), read from
+decode's input lines and files and cut into the target vocabulary's pieces; constraints.py makes
+them the search's constraint for each batch. A line's own controls are a `Controls`; what a
+translator holds every line to (its glossary, its bans, its vocabulary shortlist) is a
+`DecodeControls`, made with the translator. Torch-free: a server reads its files before torch
+starts.
 
 Input stays plain text unless an option says otherwise: with `--prefix` a line is
 `source<TAB>prefix`, with `--constraints` `source<TAB>c1<TAB>c2…`, with both
@@ -12,13 +15,17 @@ pieces as SentencePiece cuts them alone, so a phrase is matched as the words it 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..errors import AttnError
 from ..files import check_readable, read_lines
 from .glossary import Glossary
-from .lexical import BannedPhrases, Chained, LexicalConstraint, WordPieces, holds
-from .prefix import PrefixConstraint
+
+if TYPE_CHECKING:
+    from .shortlist import Shortlist
 
 
 @dataclass(frozen=True)
@@ -101,46 +108,79 @@ class GlossaryPhrases:
         return [self.ids[target] for target in self.glossary.targets(source)]
 
 
-def read_bans(path, vocab, unk_id: int) -> list[list[int]]:
-    """`--ban FILE`: one phrase per line (target text; blank lines and `#` lines skipped) →
-    each phrase's target ids. A phrase outside the vocabulary is an error naming its line."""
-    texts, wheres = [], []
-    check_readable(path, "ban file")
-    for number, line in enumerate(read_lines(path), 1):
-        text = " ".join(line.split())
-        if text and not text.startswith("#"):
-            texts.append(text)
-            wheres.append(f"{path}:{number}")
-    if not texts:
-        raise AttnError(f"{path}: no phrases to ban (one phrase per line)")
-    return encode_checked(vocab, unk_id, texts, "banned phrase", wheres)
+class BanList:
+    """Phrases no output may hold, as texts, each with where it came from (a file's line):
+    read before a model loads, cut into a model's target pieces when a translator is made
+    (`ids`)."""
+
+    def __init__(self, texts: list[str], wheres: list[str], name: str):
+        if not texts:
+            raise AttnError(f"{name}: no phrases to ban (one phrase per line)")
+        self.texts, self.wheres = texts, wheres
+
+    @classmethod
+    def read(cls, path) -> "BanList":
+        """`--ban FILE`: one phrase per line (target text; blank lines and `#` lines
+        skipped)."""
+        texts, wheres = [], []
+        check_readable(path, "ban file")
+        for number, line in enumerate(read_lines(path), 1):
+            text = " ".join(line.split())
+            if text and not text.startswith("#"):
+                texts.append(text)
+                wheres.append(f"{path}:{number}")
+        return cls(texts, wheres, str(path))
+
+    @classmethod
+    def of(cls, phrases: Sequence[str], name: str = "bans") -> "BanList":
+        """Phrases given from Python (blank ones skipped), named `name[i]` in errors."""
+        kept = [(" ".join(text.split()), f"{name}[{place}]")
+                for place, text in enumerate(phrases) if text.strip()]
+        return cls([text for text, _ in kept], [where for _, where in kept], name)
+
+    def ids(self, vocab, unk_id: int) -> list[list[int]]:
+        """Each phrase's target ids; a phrase outside the vocabulary is an error naming its
+        line."""
+        return encode_checked(vocab, unk_id, self.texts, "banned phrase", self.wheres)
 
 
-def search_constraint(controls: list[Controls], bans: list[list[int]] | None, eos_id: int,
-                      words: WordPieces | None = None):
-    """The search constraint of a batch whose lines have `controls` (and every line `bans`;
-    `words`: the target vocabulary's, for phrases' word ends): None where nothing is
-    controlled, so that such a batch is searched as a free one, at no extra cost; one
-    constraint, or several chained (`lexical.Chained`)."""
-    parts = []
-    if any(line.prefix for line in controls):
-        parts.append(PrefixConstraint.for_batch([list(line.prefix) for line in controls],
-                                                eos_id))
-    if any(line.phrases for line in controls):
-        parts.append(LexicalConstraint.for_batch(
-            [[list(phrase) for phrase in line.phrases] for line in controls], eos_id, words))
-    if bans:
-        parts.append(BannedPhrases.from_phrases(bans, eos_id))
-    if not parts:
-        return None
-    return parts[0] if len(parts) == 1 else Chained(parts)
+@dataclass(frozen=True)
+class DecodeControls:
+    """What a translator holds every line to, besides the line's own controls: the glossary's
+    terms found in a line become phrases its outputs must hold (`GlossaryPhrases`), no output
+    holds a banned phrase (target ids), and each batch writes only the pieces of its vocabulary
+    shortlist (`shortlist.Shortlist`). Each None where not asked for."""
+
+    glossary: GlossaryPhrases | None = None
+    bans: list[list[int]] | None = None
+    shortlist: "Shortlist | None" = None
+
+    @classmethod
+    def made_for(cls, loaded, glossary: Glossary | None, bans: BanList | None,
+                 shortlist: "Shortlist | None") -> "DecodeControls":
+        """The controls read before a model loaded, checked against its vocabularies: a
+        target term or banned phrase outside its target vocabulary, or a shortlist of other
+        vocabularies, is an error naming its file and line."""
+        unk = loaded.config.unk_id
+        if shortlist is not None:
+            shortlist.check_vocabularies(loaded.src_vocab, loaded.tgt_vocab, "the model")
+        return cls(None if glossary is None else GlossaryPhrases(glossary, loaded.tgt_vocab, unk),
+                   None if bans is None else bans.ids(loaded.tgt_vocab, unk), shortlist)
 
 
-def holds_phrases(tokens: list[int], controls: Controls, words: WordPieces | None) -> bool:
-    """Whether an output holds every phrase of its line's controls, as the search counts it."""
-    return all(holds(tokens, phrase, words) for phrase in controls.phrases)
+def read_controls(glossary=None, bans=None, shortlist=None
+                  ) -> tuple[Glossary | None, BanList | None, "Shortlist | None"]:
+    """What a translator is asked to hold every line to, read (and each file checked) before
+    any model loads: `glossary` a TSV's path, a `Glossary`, or source-to-target pairs (a
+    mapping or a list of pairs); `bans` a file's path, a `BanList` or a list of phrases;
+    `shortlist` a path or a `shortlist.Shortlist`. None: not asked for."""
+    if glossary is not None and not isinstance(glossary, Glossary):
+        glossary = Glossary.read(glossary) if isinstance(glossary, (str, os.PathLike)) else \
+            Glossary.from_pairs(glossary, "glossary")
+    if bans is not None and not isinstance(bans, BanList):
+        bans = BanList.read(bans) if isinstance(bans, (str, os.PathLike)) else BanList.of(bans)
+    if shortlist is not None and isinstance(shortlist, (str, os.PathLike)):
+        from .shortlist import Shortlist
 
-
-def free_controls(controls: list[Controls]) -> list[Controls]:
-    """The controls without their phrases: the prefixes only."""
-    return [Controls(line.prefix) if line.phrases else line for line in controls]
+        shortlist = Shortlist.load(shortlist)
+    return glossary, bans, shortlist

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..search import topk_over_beams
+from ..search import Unconstrained, topk_over_beams
 
 # What an output that misses a constraint at its length limit loses (log-probability): more
 # than any output's own score, so that every output holding its phrases ranks first.
@@ -114,11 +114,14 @@ class Progress:
     rows: Tensor  # (B',)
 
 
-class LexicalConstraint:
+class LexicalConstraint(Unconstrained):
     """Every output of a sentence holds each of its phrases (`phrases` (B, N, P), `lengths`
     (B, N), as `padded` makes them), searched with dynamic beam allocation (module doc). A
     phrase with `boundary` (B, N) True is met one step after its last piece, by a token that
-    does not go on with its word (`continues` (V,)); EOS meets it too."""
+    does not go on with its word (`continues` (V,)); EOS meets it too. It ranks the candidates
+    its own way: dynamic beam allocation."""
+
+    ranks = True
 
     def __init__(self, phrases: Tensor, lengths: Tensor, links: Tensor, eos_id: int,
                  boundary: Tensor | None = None, continues: Tensor | None = None):
@@ -175,9 +178,6 @@ class LexicalConstraint:
         penalty = torch.where(at_limit.unsqueeze(-1), UNMET_PENALTY, math.inf)
         log_probs[:, :, self.eos_id] = torch.where(unmet, eos - penalty, eos)
         return log_probs, None
-
-    def token_ids(self, columns: None, origin: Tensor, picked: Tensor) -> Tensor:
-        return picked
 
     def advance(self, state: Progress, origin: Tensor, tokens: Tensor) -> Progress:
         """The progress of each candidate: beam `origin` (B', C) extended by `tokens` (B', C).
@@ -272,10 +272,6 @@ class LexicalConstraint:
         final = dealt.gather(1, final)
         return best.gather(1, final), origin.gather(1, final), tokens.gather(1, final)
 
-    def bound(self, state: Progress, chosen: Tensor, active: Tensor, length: int,
-              limit: Tensor) -> Tensor:
-        return limit  # a phrase to meet makes no output longer than its limit
-
     def select(self, state: Progress, chosen: Tensor, kept: Tensor | None) -> Progress:
         matched = state.matched.gather(1, chosen.unsqueeze(-1).expand(
             -1, -1, state.matched.shape[2]))
@@ -294,7 +290,7 @@ def drop_duplicates(scores: Tensor, keys: Tensor) -> Tensor:
     return scores.masked_fill(again, -math.inf)
 
 
-class BannedPhrases:
+class BannedPhrases(Unconstrained):
     """No output holds any of `phrases` (M, Q) (ids padded with -1, `lengths` (M,)): the
     phrase's last piece is -inf wherever the output ends with the pieces before it. The state
     is each hypothesis's last Q - 1 tokens (-1 before the first)."""
@@ -336,70 +332,12 @@ class BannedPhrases:
         return log_probs.scatter_reduce(-1, last, kept.masked_fill(ends_with, -math.inf),
                                         "amin"), None
 
-    def token_ids(self, columns: None, origin: Tensor, picked: Tensor) -> Tensor:
-        return picked
-
     def advance(self, state: Tensor, origin: Tensor, tokens: Tensor) -> Tensor:
         if state.shape[2] == 0:
             return state.new_empty(*tokens.shape, 0)
         recent = state.gather(1, origin.unsqueeze(-1).expand(-1, -1, state.shape[2]))
         return torch.cat([recent[:, :, 1:], tokens.unsqueeze(-1)], dim=-1)
 
-    def rank(self, scores: Tensor, log_probs: Tensor, columns: None, state: Tensor,
-             beam: int) -> tuple[Tensor, Tensor, Tensor]:
-        return topk_over_beams(scores, log_probs, 2 * beam)
-
-    def bound(self, state: Tensor, chosen: Tensor, active: Tensor, length: int,
-              limit: Tensor) -> Tensor:
-        return limit
-
     def select(self, state: Tensor, chosen: Tensor, kept: Tensor | None) -> Tensor:
         state = state.gather(1, chosen.unsqueeze(-1).expand(-1, -1, state.shape[2]))
         return state if kept is None else state[kept]
-
-
-class Chained:
-    """Several constraints over the vocabulary's columns at once (a prefix, phrases to meet,
-    phrases banned): each masks the candidates in turn, each keeps its own state, and the one
-    that ranks (`LexicalConstraint`) ranks."""
-
-    def __init__(self, parts: list):
-        self.parts, self.eos_column = parts, parts[0].eos_column
-        self.ranker = next((i for i, part in enumerate(parts)
-                            if isinstance(part, LexicalConstraint)), None)
-
-    def to(self, device) -> "Chained":
-        return Chained([part.to(device) for part in self.parts])
-
-    def start(self, batch: int, beam: int, device) -> tuple:
-        return tuple(part.start(batch, beam, device) for part in self.parts)
-
-    def candidates(self, log_probs: Tensor, state: tuple, active: Tensor, steps_left: Tensor,
-                   at_limit: Tensor) -> tuple[Tensor, None]:
-        for part, part_state in zip(self.parts, state):
-            log_probs, _ = part.candidates(log_probs, part_state, active, steps_left, at_limit)
-        return log_probs, None
-
-    def token_ids(self, columns: None, origin: Tensor, picked: Tensor) -> Tensor:
-        return picked
-
-    def advance(self, state: tuple, origin: Tensor, tokens: Tensor) -> tuple:
-        return tuple(part.advance(part_state, origin, tokens)
-                     for part, part_state in zip(self.parts, state))
-
-    def rank(self, scores: Tensor, log_probs: Tensor, columns: None, state: tuple,
-             beam: int) -> tuple[Tensor, Tensor, Tensor]:
-        if self.ranker is None:
-            return topk_over_beams(scores, log_probs, 2 * beam)
-        return self.parts[self.ranker].rank(scores, log_probs, columns, state[self.ranker],
-                                            beam)
-
-    def bound(self, state: tuple, chosen: Tensor, active: Tensor, length: int,
-              limit: Tensor) -> Tensor:
-        for part, part_state in zip(self.parts, state):
-            limit = part.bound(part_state, chosen, active, length, limit)
-        return limit
-
-    def select(self, state: tuple, chosen: Tensor, kept: Tensor | None) -> tuple:
-        return tuple(part.select(part_state, chosen, kept)
-                     for part, part_state in zip(self.parts, state))

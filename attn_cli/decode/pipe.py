@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
+from ..alignment import pharaoh, word_spans
 from ..errors import AttnError
 from ..files import STRICT, Utf8Policy
 from .controls import Controls, encode_checked, split_fields
@@ -282,8 +283,6 @@ def split_alignments(split: SplitTexts, outputs: list[str],
     a sentence renumbered as the word of the line holding it, and likewise on the output side,
     by where the word lies in the joined text. Exact even where joining merges two words
     (spacing ""), which then share a number."""
-    from ..alignment import pharaoh
-
     columns, first = [], 0
     for paragraph in split.paragraphs:
         count = len(paragraph.sentences)
@@ -298,8 +297,6 @@ def split_alignments(split: SplitTexts, outputs: list[str],
 def _line_words(paragraph: Paragraph, parts: Sequence[str]) -> list[list[int]]:
     """For each of `parts` (a paragraph's sentences or their translations), the word of
     `paragraph.join(parts)` each of its whitespace words lies in."""
-    from ..alignment import word_spans
-
     starts = [start for start, _ in word_spans(paragraph.join(parts))]
     places, offset = [], len(paragraph.spacing[0])
     for part, after in zip(parts, paragraph.spacing[1:]):

@@ -19,11 +19,10 @@ import math
 import torch
 from torch import Tensor
 
-from ..errors import AttnError
-from ..search import topk_over_beams
+from ..search import Unconstrained
 
 
-class PrefixConstraint:
+class PrefixConstraint(Unconstrained):
     """Each sentence's output starts with its prefix: `prefixes` (B, P) padded token ids,
     `lengths` (B,) each one's count of pieces (0: no prefix, a free search)."""
 
@@ -64,38 +63,9 @@ class PrefixConstraint:
         # A free row gets its own score back at `piece`; a forced one its piece's score alone.
         return scores.scatter_(-1, piece, piece_score), None
 
-    def token_ids(self, columns: None, origin: Tensor, picked: Tensor) -> Tensor:
-        return picked  # the candidates' columns are the vocabulary
-
     def advance(self, state: Tensor, origin: Tensor, tokens: Tensor) -> Tensor:
         return state.gather(1, origin) + 1
-
-    def rank(self, scores: Tensor, log_probs: Tensor, columns: None, state: Tensor,
-             beam: int) -> tuple[Tensor, Tensor, Tensor]:
-        return topk_over_beams(scores, log_probs, 2 * beam)
-
-    def bound(self, state: Tensor, chosen: Tensor, active: Tensor, length: int,
-              limit: Tensor) -> Tensor:
-        return limit  # a prefix shortens no output: the search's own bound holds
 
     def select(self, state: Tensor, chosen: Tensor, kept: Tensor | None) -> Tensor:
         state = state.gather(1, chosen)
         return state if kept is None else state[kept]
-
-
-def split_prefix(line: str, name: str, line_number: int) -> tuple[str, str]:
-    """`source<TAB>prefix` → (source, prefix); a line without a tab has no prefix (""). A
-    second tab is refused: `source<TAB>prefix<TAB>...` is kept for lexical constraints."""
-    source, tab, prefix = line.partition("\t")
-    if "\t" in prefix:
-        raise AttnError(f"{name}:{line_number}: --prefix reads one tab per line "
-                        f"(source<TAB>prefix), this line has {line.count(chr(9))}")
-    return source, prefix if tab else ""
-
-
-def unknown_pieces(text: str, name: str, line_number: int) -> AttnError:
-    """The error of a prefix that SentencePiece cuts into a piece outside the target vocabulary
-    (`<unk>`): forcing it would force a token the model cannot mean."""
-    return AttnError(f"{name}:{line_number}: the prefix {text!r} has characters outside the "
-                     f"model's target vocabulary (they would be <unk>): remove them, or use a "
-                     f"model whose vocabulary has them")

@@ -143,7 +143,8 @@ def ibm_model1(data, iterations: int = ITERATIONS, max_pairs: int = MAX_PAIRS, s
 @dataclass
 class Shortlist:
     """Per source piece its candidate target pieces (`candidates`, (source size, best), -1
-    padded), and the target pieces always kept (`always`); the vocabularies' checksums."""
+    padded), and the target pieces always kept (`always`); the vocabularies' checksums, and
+    the file it was read from (`name`, for the errors that name it)."""
 
     candidates: np.ndarray
     always: np.ndarray
@@ -152,6 +153,7 @@ class Shortlist:
     metadata: dict[str, str]
     # both tables as tensors, by device, made at a batch's first need
     _tables: dict = field(default_factory=dict, repr=False, compare=False)
+    name: str = field(default="(not from a file)", compare=False)
 
     @property
     def best(self) -> int:
@@ -186,10 +188,10 @@ class Shortlist:
     def target_size(self) -> int:
         return int(self.metadata["target_size"])
 
-    def check_vocabularies(self, src_vocab, tgt_vocab, model_name: str, path) -> None:
+    def check_vocabularies(self, src_vocab, tgt_vocab, model_name: str) -> None:
         """The shortlist must be of the model's vocabularies: else one error line."""
         if src_vocab.checksum != self.src_checksum or tgt_vocab.checksum != self.tgt_checksum:
-            raise AttnError(f"shortlist {path} was made for other vocabularies than "
+            raise AttnError(f"shortlist {self.name} was made for other vocabularies than "
                             f"{model_name}'s: make one with `attn shortlist` from data "
                             "binarized with the model's vocabulary")
 
@@ -231,7 +233,7 @@ class Shortlist:
                 or always.min(initial=0) < 0:
             raise AttnError(f"shortlist {path} is corrupt (ids past its target vocabulary)")
         return cls(candidates, always, metadata.pop("src_vocab_sha256", ""),
-                   metadata.pop("tgt_vocab_sha256", ""), metadata)
+                   metadata.pop("tgt_vocab_sha256", ""), metadata, name=str(path))
 
     def vmap_lines(self, src_vocab, tgt_vocab) -> Iterator[str]:
         """CTranslate2's vocabulary map of this shortlist: a first line with an empty source,

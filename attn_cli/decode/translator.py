@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ..alignment import pharaoh
 from ..batching import balanced_batches, pad_sequences
 from ..config import parse_langs
 from ..devices import inference_dtype, inference_model, pick_device, search_batch_tokens
@@ -29,14 +30,9 @@ from ..search import (
     sentence_uniforms,
 )
 from ..tags import target_tags
-from .controls import (
-    NONE,
-    Controls,
-    GlossaryPhrases,
-    free_controls,
-    holds_phrases,
-    search_constraint,
-)
+from .alignment import align_lines
+from .constraints import free_controls, holds_phrases, search_constraint
+from .controls import NONE, Controls, DecodeControls, read_controls
 from .lexical import UNMET_PENALTY, WordPieces
 from .options import DecodeOptions, DecodeStats
 from .sentences import split_texts
@@ -53,7 +49,8 @@ class Translator:
 
     def __init__(self, loaded: LoadedModel, options: DecodeOptions, device: torch.device,
                  dtype: str = "fp32", warn=None, constraint_for=None,
-                 ensemble: list[LoadedModel] = (), int8: bool = False, compile: str = "off"):
+                 ensemble: list[LoadedModel] = (), int8: bool = False, compile: str = "off",
+                 controls: DecodeControls = DecodeControls()):
         self.options, self.device = options, device
         # Of the loaded models the translator keeps what lines in and out need (the first
         # one's config, for the special ids, and vocabularies: an ensemble shares them) and a
@@ -80,13 +77,12 @@ class Translator:
         self.stats = DecodeStats()
         # constraint_for(lines of a batch) → a search constraint for them (parsing), or None
         self.constraint_for = constraint_for
-        # Decode's and a server's controls of every line: a glossary's terms to force
-        # (`controls.GlossaryPhrases`) and phrases banned (target ids); None: none.
-        self.glossary: GlossaryPhrases | None = None
-        self.bans: list[list[int]] | None = None
-        # A vocabulary shortlist (`shortlist.Shortlist`, `--shortlist`): each batch's output
-        # projection over its candidates only; None: the whole vocabulary.
-        self.shortlist = None
+        # What every line is held to (decode's and a server's --glossary, --ban, --shortlist):
+        # parsing's tree constraint forces pieces of its own, so a parser takes none.
+        if constraint_for is not None and controls != DecodeControls():
+            raise AttnError("a glossary, banned phrases and a vocabulary shortlist are for "
+                            "translation, not parsing")
+        self.controls = controls
         self._word_pieces: WordPieces | None = None
         self._pool: ThreadPoolExecutor | None = None
 
@@ -178,11 +174,11 @@ class Translator:
         src = pad_sequences(ids, self.config.pad_id).to(self.device)
         options = self.options
         output_ids = None
-        if self.shortlist is not None:
+        if self.controls.shortlist is not None:
             keep = {self.config.eos_id, self.config.unk_id}
             for line in controls or ():
                 keep.update(line.prefix, *line.phrases)
-            output_ids = self.shortlist.ids_for(src, keep)
+            output_ids = self.controls.shortlist.ids_for(src, keep)
             self.stats.shortlist_batches += 1
             self.stats.shortlist_pieces += len(output_ids)
         with batch_must_fit(f"search batches of {options.batch_tokens} source tokens × beam",
@@ -204,16 +200,12 @@ class Translator:
                                output_ids=output_ids)
 
     def translate_window(self, lines: list[str], first_line: int, unit: str = "line",
-                         prefixes: list[list[int]] | None = None,
                          controls: list[Controls] | None = None) -> list[list[Hypothesis]]:
         """Hypotheses for every line, in input order; an empty line gets [EMPTY_LINE]. Line i
         is number first_line + i (warnings name it, sampling draws from it) of its `unit`.
         `controls[i]`: what line i's outputs start with and hold (`controls.Controls`; None:
         nothing), to which the translator's glossary adds its terms found in the line and its
-        bans apply to every line; `prefixes[i]`, the target ids line i's outputs start with,
-        is `controls` with prefixes only."""
-        if prefixes is not None:
-            controls = [Controls(prefix=tuple(prefix)) for prefix in prefixes]
+        bans apply to every line."""
         results: list[list[Hypothesis] | None] = [None] * len(lines)
         todo = [i for i, line in enumerate(lines) if line.strip()]
         for i in set(range(len(lines))) - set(todo):
@@ -256,12 +248,12 @@ class Translator:
         the model writes anyway changes nothing, and dynamic beam allocation, which deals a
         beam's slots over hypotheses by the phrases they have met, spends them where needed.
         "all": every one searched with its phrases."""
-        eos = self.config.eos_id
+        eos, bans = self.config.eos_id, self.controls.bans
         words = self.word_pieces() if any(line.phrases for line in controls) else None
         if words is None or self.options.constraint_search == "all":
-            return self.search(ids, search_constraint(controls, self.bans, eos, words),
+            return self.search(ids, search_constraint(controls, bans, eos, words),
                                line_numbers, cancelled, controls=controls)
-        found = self.search(ids, search_constraint(free_controls(controls), self.bans, eos),
+        found = self.search(ids, search_constraint(free_controls(controls), bans, eos),
                             line_numbers, cancelled, controls=controls)
         misses = [place for place, (line, hypotheses) in enumerate(zip(controls, found))
                   if line.phrases and not holds_phrases(hypotheses[0].tokens, line, words)]
@@ -273,7 +265,7 @@ class Translator:
                 return [place for place, miss in enumerate(misses) if miss in named]
             again = self.search([ids[place] for place in misses],
                                 search_constraint([controls[place] for place in misses],
-                                                  self.bans, eos, words),
+                                                  bans, eos, words),
                                 [numbers[place] for place in misses],
                                 cancelled_misses if cancelled else None,
                                 controls=[controls[place] for place in misses])
@@ -292,9 +284,9 @@ class Translator:
 
     def controls_of(self, line: str, controls: Controls) -> Controls:
         """A line's controls and the glossary's terms found in it."""
-        if self.glossary is None:
+        if self.controls.glossary is None:
             return controls
-        return controls.with_phrases(self.glossary.phrases(line))
+        return controls.with_phrases(self.controls.glossary.phrases(line))
 
     def translate(self, lines: list[str]) -> list[str]:
         """The best translation of each line, in order (an empty line for an empty line); with
@@ -340,9 +332,6 @@ class Translator:
         (source word, output word) pairs over whitespace words, read off the cross-attention
         of one teacher-forced pass (`alignment.py`; `layer` and `heads` by default the model's
         own, `alignment.chosen_heads`). An ensemble's first model aligns."""
-        from ..ensemble import Ensemble
-        from .alignment import align_lines
-
         model = self.model.models[0] if isinstance(self.model, Ensemble) else self.model
         return align_lines(model, self.src_vocab, self.tgt_vocab, lines, outputs,
                            self.max_source, layer, heads, self.options.source_tags)
@@ -359,8 +348,6 @@ class Translator:
         """`attn decode --alignment`: for each line, the Pharaoh pairs (`alignment.pharaoh`) of
         each output it prints (the best; with nbest K its K, those not found aligning nothing),
         all of the window's aligned in one `align` call: in batches, not line by line."""
-        from ..alignment import pharaoh
-
         nbest = self.options.nbest
         printed = [hypotheses[:1] if nbest == 1
                    else hypotheses + [NOT_FOUND] * (nbest - len(hypotheses))
@@ -381,37 +368,6 @@ def model_langs(metadata: dict[str, str]) -> tuple[str, str] | None:
         return None
 
 
-def use_controls(translator: Translator, glossary_path=None, ban_path=None) -> None:
-    """`attn decode --glossary FILE --ban FILE`: the translator forces the glossary's terms
-    found in each line and bans the file's phrases, both checked against its vocabulary now.
-    `glossary_path` may be a `glossary.Glossary` already read."""
-    from .controls import read_bans
-    from .glossary import Glossary
-
-    unk = translator.config.unk_id
-    if glossary_path is not None:
-        terms = glossary_path if isinstance(glossary_path, Glossary) else \
-            Glossary.read(glossary_path)
-        translator.glossary = GlossaryPhrases(terms, translator.tgt_vocab, unk)
-    if ban_path is not None:
-        translator.bans = read_bans(ban_path, translator.tgt_vocab, unk)
-
-
-def use_shortlist(translator: Translator, shortlist, path=None) -> None:
-    """`attn decode --shortlist FILE`: each batch's output projection over its candidates
-    (shortlist.py), the file (or a `shortlist.Shortlist` read from `path`) checked against
-    the translator's vocabularies now. Parsing's tree constraint forces pieces of its own: a
-    parser takes no shortlist."""
-    from .shortlist import Shortlist
-
-    if translator.constraint_for is not None:
-        raise AttnError("a vocabulary shortlist is for translation, not parsing")
-    if not isinstance(shortlist, Shortlist):
-        shortlist, path = Shortlist.load(shortlist), shortlist
-    shortlist.check_vocabularies(translator.src_vocab, translator.tgt_vocab, "the model", path)
-    translator.shortlist = shortlist
-
-
 def search_workers(threads: int, workers: int, device: torch.device) -> tuple[int, int]:
     """(batches searched side by side, torch threads of each). 0 (auto): on a CPU one batch
     per thread with one torch thread each (measured fastest: benchmarks/), on a GPU one batch
@@ -424,7 +380,8 @@ def search_workers(threads: int, workers: int, device: torch.device) -> tuple[in
 def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "auto",
                     dtype: str = "auto", threads: int = 0, workers: int = 0, warn=None,
                     constraint_for=None, int8: bool = False, target_lang: str | None = None,
-                    compile: str = "off", **options) -> Translator:
+                    compile: str = "off", glossary=None, bans=None, shortlist=None,
+                    **options) -> Translator:
     """A model file (a list of them: an ensemble) made ready to decode: the device (auto: a GPU
     when torch sees one), the precision (auto: bf16 on CUDA, fp32 on a CPU), the CPU threads (0:
     every core), how many batches are searched side by side (0: auto) and, with `int8`, the
@@ -433,11 +390,16 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
     ...).
     `constraint_for(loaded model)`, if given, makes the search constraint's factory for that
     model (`tree_search.tree_constraints`: parsing). `target_lang`: translate into that
-    language, every source starting with its tag (`Translator.with_target`). This is what
-    `attn decode` and `attn parse` run; from Python:
+    language, every source starting with its tag (`Translator.with_target`). What every line
+    is held to (`controls.DecodeControls`, `controls.read_controls`): `glossary`, a TSV's path,
+    a `glossary.Glossary` or source-to-target pairs, whose terms found in a line become phrases
+    its outputs must hold; `bans`, a file's path or a list of phrases no output may hold;
+    `shortlist`, a path or a `shortlist.Shortlist`: each batch's output projection over its
+    candidates. This is what `attn decode`, `attn parse` and `attn serve` run; from Python:
 
         translator = load_translator("model.st")
         translator.translate(["A man is riding a bike."])  # ["Ein Mann fährt Fahrrad."]
+        load_translator("model.st", glossary={"man": "Herr"}, bans=["Mann"])
     """
     settings = DecodeOptions(beam=beam, **options)  # checked before the models load
     paths = list(model_path) if isinstance(model_path, (list, tuple)) else [model_path]
@@ -447,6 +409,7 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
     # Refused before anything loads (a GPU's `--device auto` would load every model first).
     if int8 and (dtype not in ("auto", "fp32") or pick_device(device).type != "cpu"):
         raise int8_refused
+    read = read_controls(glossary, bans, shortlist)  # a bad file: an error before any load
     (loaded, *ensemble), chosen, threads = load_models(paths, device, threads)
     workers, worker_threads = search_workers(threads, workers, chosen)
     settings = dataclasses.replace(settings, workers=workers, worker_threads=worker_threads,
@@ -456,4 +419,5 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
                                                            f"model file {paths[0]}"))
     return Translator(loaded, settings, chosen, inference_dtype(dtype, chosen), warn=warn,
                       constraint_for=constraint_for(loaded) if constraint_for else None,
-                      ensemble=ensemble, int8=int8, compile=compile)
+                      ensemble=ensemble, int8=int8, compile=compile,
+                      controls=DecodeControls.made_for(loaded, *read))

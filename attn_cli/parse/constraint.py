@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..formats import WORD_SCORES
-from ..search import topk_over_beams
+from ..search import Unconstrained
 from .trees import PLACEHOLDER, terminal_word
 
 
@@ -56,7 +56,7 @@ def tree_constraint_for(tgt_vocab, eos_id: int, terminals: str, score_words: str
     return make
 
 
-class TreeConstraint:
+class TreeConstraint(Unconstrained):
     """Search constraint for linearized trees (an option of `attn parse`, not in the paper):
     exactly one terminal per word (per piece of the sentence, in order, when the terminals are
     the words themselves, and brackets only between words, never inside one), closing brackets
@@ -238,10 +238,6 @@ class TreeConstraint:
         placed, depth, _ = (part.gather(1, chosen) for part in state)
         missing = (self.word_count_of[active].unsqueeze(-1) - placed).clamp(min=0)
         return (length + missing * (1 + 2 * self.MAX_OPEN_RUN) + depth + 1).amax(dim=1)
-
-    def rank(self, scores: Tensor, log_probs: Tensor, columns: Tensor,
-             state: tuple[Tensor, Tensor, Tensor], beam: int) -> tuple[Tensor, Tensor, Tensor]:
-        return topk_over_beams(scores, log_probs, 2 * beam)  # over the candidates' columns
 
     def bound(self, state: tuple[Tensor, Tensor, Tensor], chosen: Tensor, active: Tensor,
               length: int, limit: Tensor) -> Tensor:

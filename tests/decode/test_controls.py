@@ -142,6 +142,50 @@ def test_the_python_api_takes_controls():
     assert translator.detokenize([found[1][0]])[0] == GOLDEN["beam4"][1]
 
 
+def test_a_translator_is_made_with_its_glossary_and_bans_as_the_command_is(tmp_path):
+    """From Python the controls come with the translator, as paths or as values: the same
+    outputs as `attn decode --glossary --ban`; the translator is complete when made."""
+    (tmp_path / "terms.tsv").write_text("g d\ta a\nc j f\tb b\n", encoding="utf-8")
+    (tmp_path / "ban.txt").write_text("d d\n", encoding="utf-8")
+    lines = GOLDEN["inputs"]
+    command, _ = decode("--glossary", tmp_path / "terms.tsv", "--ban", tmp_path / "ban.txt",
+                        stdin="\n".join(lines) + "\n")
+    from_files = load_translator(CHECKPOINT, device="cpu", threads=1, workers=1,
+                                 glossary=tmp_path / "terms.tsv", bans=tmp_path / "ban.txt")
+    from_values = load_translator(CHECKPOINT, device="cpu", threads=1, workers=1,
+                                  glossary={"g d": "a a", "c j f": "b b"}, bans=["d d", " "])
+    assert from_files.translate(lines) == from_values.translate(lines) == command
+    assert command != GOLDEN["beam4"]  # the controls changed outputs
+    assert from_values.controls.bans == [from_values.tgt_vocab.encode(["d d"])[0]]
+
+
+def test_a_bad_control_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    from attn_cli.decode import translator as translator_module
+
+    def loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the controls were read")
+
+    monkeypatch.setattr(translator_module, "load_models", loading)
+    (tmp_path / "terms.tsv").write_text("g d\n", encoding="utf-8")
+    for controls, message in (({"glossary": tmp_path / "terms.tsv"}, "terms.tsv:1:"),
+                              ({"bans": tmp_path / "absent.txt"}, "absent.txt"),
+                              ({"bans": ["", "  "]}, "bans: no phrases to ban"),
+                              ({"shortlist": tmp_path / "terms.tsv"}, "terms.tsv")):
+        with pytest.raises(AttnError, match=message):
+            load_translator(CHECKPOINT, device="cpu", **controls)
+
+
+def test_a_parser_takes_no_glossary_bans_or_shortlist():
+    """A constraint of its own on every batch (parsing's trees) forces pieces the controls
+    know nothing of: refused, not ignored."""
+    def parser_constraint(loaded):
+        return lambda lines: None
+
+    with pytest.raises(AttnError, match="for translation, not parsing"):
+        load_translator(CHECKPOINT, device="cpu", threads=1, bans=["a"],
+                        constraint_for=parser_constraint)
+
+
 @pytest.mark.parametrize("options, stdin, files, message", [
     (["--constraints"], "b e\t\tf\ng d j\tc c\n", {},
      "error: <stdin>:1: constraint 1 is empty"),

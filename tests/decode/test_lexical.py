@@ -13,7 +13,6 @@ import torch
 from attn_cli.decode.lexical import (
     UNMET_PENALTY,
     BannedPhrases,
-    Chained,
     LexicalConstraint,
     Progress,
     WordPieces,
@@ -21,10 +20,9 @@ from attn_cli.decode.lexical import (
     holds,
 )
 from attn_cli.decode.prefix import PrefixConstraint
-from attn_cli.search import beam_search, length_penalty, sample, sentence_uniforms
+from attn_cli.search import Chained, beam_search, length_penalty, sample, sentence_uniforms
 
-from ..test_search import CountedSteps
-from ..toys import HostSyncs, random_model
+from ..toys import CountedSteps, HostSyncs, random_model
 
 EOS = 3
 

@@ -5,7 +5,6 @@ identity translation gives the document back; malformed markup never fails."""
 from __future__ import annotations
 
 import random
-from html.parser import HTMLParser
 
 import pytest
 
@@ -13,32 +12,7 @@ from attn_cli import load_translator
 from attn_cli.decode.markup import HtmlDocument, read_markup, translate_html
 
 from ..conftest import REPO
-
-
-class _Tags(HTMLParser):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def handle_starttag(self, tag, attrs):
-        self.seen.append(("start", tag, attrs))
-
-    def handle_startendtag(self, tag, attrs):
-        self.seen.append(("empty", tag, attrs))
-
-    def handle_endtag(self, tag):
-        self.seen.append(("end", tag))
-
-    def handle_comment(self, data):
-        self.seen.append(("comment", data))
-
-
-def tag_tree(document: str) -> list:
-    """The start and end tags (with attributes) and comments of a document, in order."""
-    parser = _Tags()
-    parser.feed(document)
-    parser.close()
-    return parser.seen
+from ..toys import tag_tree
 
 
 def diagonal(sentence: str) -> list[tuple[int, int]]:

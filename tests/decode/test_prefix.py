@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from attn_cli.decode.controls import Controls
 from attn_cli.decode.translator import load_translator
 
 from ..conftest import assert_clean_error, run_attn
@@ -32,6 +33,11 @@ def prefix_ids(translator, texts):
     return translator.tgt_vocab.encode(texts)
 
 
+def prefixed(ids: list[list[int]]) -> list[Controls]:
+    """Each line's controls: its prefix alone."""
+    return [Controls(prefix=tuple(prefix)) for prefix in ids]
+
+
 @pytest.mark.parametrize("beam", [1, 4])
 def test_every_output_starts_with_its_prefix(beam):
     lines = "".join(f"{source}\t{prefix}\n" for source, prefix in zip(INPUTS, PREFIXES))
@@ -40,9 +46,11 @@ def test_every_output_starts_with_its_prefix(beam):
     assert result.returncode == 0, result.stderr
     outputs = result.stdout.splitlines()
     assert len(outputs) == len(INPUTS)
-    for output, prefix in zip(outputs, PREFIXES):
+    free = GOLDEN["beam4" if beam == 4 else "greedy"]
+    for output, prefix, unforced in zip(outputs, PREFIXES, free):
         assert output.startswith(prefix), (output, prefix)
-    assert outputs[3] == GOLDEN["beam4"][3]  # no prefix: the free search's
+        assert not prefix or not unforced.startswith(prefix)  # the prefix changed the output
+    assert outputs[3] == free[3]  # no prefix: the free search's
 
 
 def test_an_empty_prefix_or_no_tab_is_no_prefix():
@@ -75,15 +83,15 @@ def test_the_best_outputs_own_start_as_prefix_changes_nothing(translator, beam):
     free = [hypotheses[0] for hypotheses in view.translate_window(INPUTS, 1)]
     for k in (1, 3):
         prefixes = [hypothesis.tokens[:k] for hypothesis in free]
-        forced = [hypotheses[0] for hypotheses in view.translate_window(INPUTS, 1,
-                                                                        prefixes=prefixes)]
+        forced = [hypotheses[0] for hypotheses in view.translate_window(
+            INPUTS, 1, controls=prefixed(prefixes))]
         assert forced == free
 
 
 def test_nbest_continuations_are_distinct_and_through_the_prefix(translator):
     view = translator.with_options(beam=4, nbest=4)
     prefixes = prefix_ids(view, PREFIXES)
-    for hypotheses, prefix in zip(view.translate_window(INPUTS, 1, prefixes=prefixes),
+    for hypotheses, prefix in zip(view.translate_window(INPUTS, 1, controls=prefixed(prefixes)),
                                   prefixes):
         tokens = [tuple(hypothesis.tokens) for hypothesis in hypotheses]
         assert len(tokens) == 4 and len(set(tokens)) == 4
@@ -94,8 +102,8 @@ def test_nbest_continuations_are_distinct_and_through_the_prefix(translator):
 
 def test_a_batch_mixing_prefixes_and_none_equals_each_line_alone(translator):
     prefixes = prefix_ids(translator, PREFIXES)
-    together = translator.translate_window(INPUTS, 1, prefixes=prefixes)
-    alone = [translator.translate_window([source], 1, prefixes=[prefix])[0]
+    together = translator.translate_window(INPUTS, 1, controls=prefixed(prefixes))
+    alone = [translator.translate_window([source], 1, controls=prefixed([prefix]))[0]
              for source, prefix in zip(INPUTS, prefixes)]
     # The same outputs; their scores as equal as a batch's padding lets float sums be.
     assert [[h.tokens for h in hypotheses] for hypotheses in together] == \

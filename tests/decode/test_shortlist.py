@@ -14,7 +14,7 @@ import torch
 
 from attn_cli.data import ParallelData
 from attn_cli.decode.shortlist import Shortlist, build, ibm_model1
-from attn_cli.decode.translator import load_translator, use_shortlist
+from attn_cli.decode.translator import load_translator
 from attn_cli.devices import inference_model
 from attn_cli.search import beam_search, sample, sentence_uniforms
 from attn_cli.vocab import Vocabulary
@@ -170,7 +170,8 @@ def test_a_search_over_a_shortlist_is_the_masked_models_and_over_everything_the_
     assert [h[0].tokens for h in drawn] == [h[0].tokens for h in masked_drawn]
     # under a constraint (ids of the whole vocabulary) the logits are spread over it: a
     # phrase of shortlisted pieces is held, and nothing outside the shortlist is written
-    from attn_cli.decode.controls import Controls, search_constraint
+    from attn_cli.decode.constraints import search_constraint
+    from attn_cli.decode.controls import Controls
 
     phrase = (17, 13)
     with torch.inference_mode():
@@ -207,8 +208,8 @@ def test_shortlist_and_decode_through_the_command_line(data_files, trained, spm_
     assert "target pieces a batch" in short.stderr and "shortlist" not in free.stderr
     assert len(short.stdout.split("\n")) == len(free.stdout.split("\n")) == 14
     # the Python API: outputs hold shortlisted pieces only
-    translator = load_translator(model, 2, device="cpu", threads=1, max_len_b=10)
-    use_shortlist(translator, shortlist)
+    translator = load_translator(model, 2, device="cpu", threads=1, max_len_b=10,
+                                 shortlist=shortlist)
     lines = text.splitlines()[:12]
     ids = translator.encode(lines, 1)
     found = translator.search(ids)
@@ -246,10 +247,10 @@ def test_an_ensemble_searches_over_the_shortlist_too(spm_model, data_files, tmp_
     shortlist = tmp_path / "shortlist.st"
     assert run_attn("shortlist", data_files[0], "-o", shortlist, "--iterations",
                     "1").returncode == 0
-    translator = load_translator([first, second], 2, device="cpu", threads=1, max_len_b=6)
-    use_shortlist(translator, shortlist)
+    translator = load_translator([first, second], 2, device="cpu", threads=1, max_len_b=6,
+                                 shortlist=shortlist)
     ids = translator.encode(["A man is riding a bike."], 1)
     from attn_cli.batching import pad_sequences
 
-    allowed = set(translator.shortlist.ids_for(pad_sequences(ids, 0), {1, 3}).tolist())
+    allowed = set(translator.controls.shortlist.ids_for(pad_sequences(ids, 0), {1, 3}).tolist())
     assert set(translator.search(ids)[0][0].tokens) <= allowed

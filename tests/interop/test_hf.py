@@ -17,20 +17,9 @@ from attn_cli.search import beam_search
 from attn_cli.vocab import Vocabulary, learn
 
 from ..conftest import assert_clean_error, run_attn
+from ..toys import marian_greedy
 
 transformers = pytest.importorskip("transformers", reason="pip install 'attn[hf]'")
-
-
-def marian_greedy(marian, tokenizer, lines: list[str]) -> list[str]:
-    """generate() one line at a time with attn's limit of |x| + 50 tokens, EOS forced last."""
-    outputs = []
-    for line in lines:
-        ids = torch.tensor([tokenizer(line)["input_ids"]])
-        with torch.inference_mode():
-            found = marian.generate(input_ids=ids, num_beams=1, do_sample=False,
-                                    max_length=1 + ids.shape[1] - 1 + 50)
-        outputs.append(tokenizer.decode(found[0], skip_special_tokens=True))
-    return outputs
 
 
 def largest_logit_difference(loaded, marian, tokenizer, lines, outputs) -> float:

@@ -16,7 +16,7 @@ from attn_cli.tags import vocabulary_tags
 from attn_cli.vocab import learn
 
 from ..conftest import assert_clean_error, run_attn
-from .test_hf import marian_greedy
+from ..toys import marian_greedy
 
 transformers = pytest.importorskip("transformers", reason="pip install 'attn[hf]'")
 

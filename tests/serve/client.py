@@ -198,3 +198,26 @@ async def _closed_loop(host: str, port: int, path: str, count: int, clients: int
     await asyncio.gather(*(client() for _ in range(clients)))
     return {"outputs": outputs, "latencies": latencies, "statuses": statuses,
             "seconds": time.perf_counter() - started}
+
+
+def call(server: Server, method: str, path: str, payload=None, headers=None):
+    return asyncio.run(request(server.host, server.port, method, path, payload, headers))
+
+
+def raw_call(server: Server, method: str, path: str, body: bytes, headers=None):
+    """(status, headers, JSON answer) of a request with exactly these body bytes."""
+    async def send():
+        connection = Connection(server.host, server.port)
+        try:
+            return await connection.send(method, path, body, headers)
+        finally:
+            await connection.close()
+    status, answer_headers, answer = asyncio.run(send())
+    return status, answer_headers, json.loads(answer) if answer else None
+
+
+def wait_for(condition, within: float = 30.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)

@@ -682,8 +682,8 @@ def test_v1_prefixes_one_per_line_and_their_ids():
             return [[1 if char == "?" else ord(char) for char in text] for text in texts]
 
     class Translator:
-        tgt_vocab, config, glossary = Vocab(), dataclasses.make_dataclass(
-            "Config", [("unk_id", int, 1)])(), None
+        tgt_vocab, config = Vocab(), dataclasses.make_dataclass(
+            "Config", [("unk_id", int, 1)])()
         options = dataclasses.make_dataclass("Options", [("sample", bool, False)])()
 
         def controls_of(self, line, controls):

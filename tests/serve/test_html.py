@@ -19,9 +19,8 @@ import pytest
 from attn_cli.decode.markup import HtmlDocument
 
 from ..conftest import REPO
-from ..decode.test_markup import tag_tree
-from .client import Server, multipart
-from .test_server import call, raw_call
+from ..toys import tag_tree
+from .client import Server, call, multipart, raw_call
 
 pytest.importorskip("uvicorn", reason="attn[serve] is not installed")
 

@@ -19,10 +19,9 @@ from attn_cli.decode.translator import load_translator
 from attn_cli.serve.request_queue import Job, RequestQueue
 from attn_cli.vocab import Vocabulary
 
-from ..conftest import bundled_lines
+from ..conftest import bundled_lines, decode
 from ..toys import save_random_model
-from .client import Connection, Server, multipart
-from .test_server import call, decode, raw_call, wait_for
+from .client import Connection, Server, call, multipart, raw_call, wait_for
 
 pytest.importorskip("uvicorn", reason="attn[serve] is not installed")
 

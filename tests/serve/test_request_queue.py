@@ -169,7 +169,7 @@ def test_requests_with_target_prefixes_share_batches_with_those_without():
         submit_and_wait(queue, jobs)
     finally:
         queue.close()
-    for job, text, ids in zip(jobs, requests, prefixes):
-        alone = translator.translate_window(text, 1, prefixes=ids)
+    for job, text, lines in zip(jobs, requests, controls):
+        alone = translator.translate_window(text, 1, controls=lines)
         assert texts(job) == [translator.outputs(hypotheses)[0][1] for hypotheses in alone]
     assert texts(jobs[0])[0].startswith("j j") and texts(jobs[0])[2].startswith("a")

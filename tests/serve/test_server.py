@@ -23,8 +23,16 @@ import pytest
 
 from attn_cli.serve.api import V1_FIELDS
 
-from ..conftest import assert_clean_error, run_attn
-from .client import Connection, Server, multipart, request, run_clients
+from ..conftest import assert_clean_error, decode, run_attn
+from .client import (
+    Connection,
+    Server,
+    call,
+    multipart,
+    raw_call,
+    run_clients,
+    wait_for,
+)
 
 pytest.importorskip("uvicorn", reason="attn[serve] is not installed")
 
@@ -36,28 +44,6 @@ def serve_command(model, *options) -> list[str]:
     every answer here comes from a search."""
     return [sys.executable, "-m", "attn_cli", "serve", "-m", str(model), "--port", "0",
             "--threads", "2", "--cache-lines", "0", *map(str, options)]
-
-
-def call(server: Server, method: str, path: str, payload=None, headers=None):
-    return asyncio.run(request(server.host, server.port, method, path, payload, headers))
-
-
-def raw_call(server: Server, method: str, path: str, body: bytes, headers=None):
-    """(status, headers, JSON answer) of a request with exactly these body bytes."""
-    async def send():
-        connection = Connection(server.host, server.port)
-        try:
-            return await connection.send(method, path, body, headers)
-        finally:
-            await connection.close()
-    status, answer_headers, answer = asyncio.run(send())
-    return status, answer_headers, json.loads(answer) if answer else None
-
-
-def decode(model, lines: list[str], *options) -> list[str]:
-    result = run_attn("decode", "-m", model, *options, stdin="\n".join(lines) + "\n")
-    assert result.returncode == 0, result.stderr
-    return result.stdout.split("\n")[:-1]
 
 
 @pytest.fixture(scope="module")
@@ -422,13 +408,6 @@ def seconds_until_idle(server: Server, within: float) -> float:
                 and used < 0.03:
             return idle_since
         assert time.monotonic() - started < within, (health, used)
-
-
-def wait_for(condition, within: float = 30.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
 
 
 # One long line searched as long as a request may ask: 32 beams, each to 10 × its tokens +

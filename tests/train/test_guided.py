@@ -30,8 +30,8 @@ from attn_cli.train import loop as training
 from attn_cli.train.distributed import Processes
 from attn_cli.train.guided import alignment_targets
 
-from .conftest import assert_clean_error, assert_same_weights, final_weights, run_attn
-from .toys import HostReads, reversal_pairs
+from ..conftest import assert_clean_error, assert_same_weights, final_weights, run_attn
+from ..toys import HostReads, reversal_pairs
 
 LENGTH = 6  # every sequence: the anti-diagonal is then a matter of positions, learned fast
 STEPS = 150
