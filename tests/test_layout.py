@@ -215,3 +215,14 @@ def test_the_text_modules_import_without_torch():
             "    assert 'torch' not in sys.modules, name\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_no_test_module_imports_another():
+    """What several test files share lives in conftest.py, toys.py and serve/client.py: a test
+    file imported by another would run its tests' module set-up for nothing, and hide where a
+    helper is."""
+    wrong = [f"{path.relative_to(REPO)}:{line} imports {module}"
+             for path in sorted((REPO / "tests").rglob("*.py"))
+             for module, line, _ in imports(path)
+             if module.split(".")[-1].startswith("test_")]
+    assert not wrong, "\n".join(wrong)

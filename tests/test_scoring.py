@@ -15,7 +15,7 @@ from attn_cli.errors import AttnError
 from attn_cli.files import Utf8Policy
 from attn_cli.scoring import ForcedScore, ForcedScores, text_score_lines, text_scores
 
-from .conftest import assert_clean_error, run_attn
+from .conftest import REPO, assert_clean_error, run_attn
 
 # --------------------------------------------------------------------------------- text metrics
 
@@ -177,7 +177,8 @@ def test_force_decoding_out_of_memory_names_the_batch_and_the_option(monkeypatch
     from attn_cli.modelfile import load_model
     from attn_cli.scoring import force_decode
 
-    from .test_devices import FIXTURE_MODEL
+    fixtures = REPO / "tests" / "fixtures"
+    model = fixtures / json.loads((fixtures / "golden.json").read_text())["checkpoint"]
 
     def out_of_memory(self, *args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\n...")
@@ -186,5 +187,5 @@ def test_force_decoding_out_of_memory_names_the_batch_and_the_option(monkeypatch
     with pytest.raises(AttnError, match=r"out of GPU memory with batches of 700 tokens \(CUDA "
                        r"out of memory. Tried to allocate 2.00 GiB.\): lower --batch-tokens "
                        r"\(700\)"):
-        force_decode([load_model(FIXTURE_MODEL)], ["a b"], ["b a"], torch.device("cpu"),
+        force_decode([load_model(model)], ["a b"], ["b a"], torch.device("cpu"),
                      "fp32", batch_tokens=700)
