@@ -40,7 +40,9 @@ import sys
 import zipfile
 from pathlib import Path
 
-LT_PYTHON = Path("/work/lt-venv/bin/python")  # where the benchmarks' LibreTranslate lives
+# The Python of LibreTranslate's own environment (../shared/peers/README.md says how to make
+# one): $LT_PYTHON, or serve_load.py's --lt-python.
+LT_PYTHON = Path(os.environ["LT_PYTHON"]) if os.environ.get("LT_PYTHON") else None
 PACKAGE_NAME = "translate-en_de-attn"
 
 

@@ -359,7 +359,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="400 lines, 1 round (unless --lines or --rounds say otherwise)")
     parser.add_argument("--lt-python", type=Path, default=LT_PYTHON,
-                        help="the Python of LibreTranslate's environment")
+                        help="the Python of LibreTranslate's environment (default: $LT_PYTHON)")
     parser.add_argument("--soak", type=int, default=0,
                         help="also send this many requests from 64 clients (memory, losses)")
     parser.add_argument("--extra", default="", help="more `attn serve` options")
@@ -384,8 +384,9 @@ def main() -> None:
     unknown = set(servers) - set(SERVERS)
     if unknown:
         parser.error(f"--servers: no {', '.join(sorted(unknown))} (of {', '.join(SERVERS)})")
-    if not args.lt_python.exists():
-        log(f"no LibreTranslate at {args.lt_python} (--lt-python): its rows are skipped")
+    if args.lt_python is None or not args.lt_python.exists():
+        log(f"no LibreTranslate at {args.lt_python} (--lt-python, $LT_PYTHON): its rows are "
+            "skipped")
         servers = [name for name in servers if not name.startswith("libretranslate")]
     clients_levels = [int(c) for c in args.clients.split(",")]
 

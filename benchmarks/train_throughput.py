@@ -53,7 +53,7 @@ Targets (PASS/FAIL on stderr): `onmt_ratio` = attn's median target tokens/s over
 ONMT's median over its rounds >= 1.5; `gemm_fraction` (attn's median rate) >= 0.60.
 
     python -m benchmarks.train_throughput                                # attn + matmul, ~2 min
-    python -m benchmarks.train_throughput --onmt-venv /tmp/.venv-onmt    # + ONMT, ~6 min, 2 cores
+    python -m benchmarks.train_throughput --onmt-venv ONMT_VENV          # + ONMT, ~6 min, 2 cores
     python -m benchmarks.train_throughput --steps 300 --rounds 3 --batch-tokens 3000
 
 Report on stderr, one JSON object on stdout.
