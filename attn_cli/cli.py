@@ -157,10 +157,12 @@ AlphaOption = Annotated[float, typer.Option(
 MaxLenBOption = Annotated[int, typer.Option(
     "--max-len-b", min=0, help=f"... and b (paper: {TRANSLATION.max_len_b}).")]
 StopOption = Annotated[Stop, typer.Option(
-    "--stop", help="When a sentence's search ends. bound (paper's tensor2tensor): once no live "
-    "hypothesis can beat the best finished, the result of a search to the length limit. "
-    "best-ends (CTranslate2, OpenNMT-py): once the step's best candidate ends; fewer steps, may "
-    "miss a longer, better-scoring output. limit: every sentence to its length limit.")]
+    "--stop", help="When a sentence's search ends. bound (the paper's tensor2tensor; default): "
+    "once no live hypothesis can beat the best finished, exactly the result of a search to the "
+    "length limit. patience (fairseq; CTranslate2 at --alpha above 0): once beam-many "
+    "hypotheses have ended; fewer steps, inexact. best-ends (OpenNMT-py; CTranslate2 at --alpha "
+    "0): once the step's best candidate ends; fewer still, inexact. limit: every sentence to "
+    "its length limit.")]
 InputOption = Annotated[str, typer.Option("-i", "--input", help="Read this file, not stdin.")]
 StatsJsonOption = Annotated[Optional[Path], typer.Option(
     "--stats-json", help="Also write the summary (sentences, output tokens, seconds, rates, the "

@@ -377,7 +377,8 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
         scores = best.gather(1, chosen)
         bound = constraint.bound(state, chosen, live.active, step + 1, limit)
         done = sentences_done(scores, finished.kth_best[live.active], bound, alpha, beam,
-                              stop, finished.best_ended[live.active])
+                              stop, finished.best_ended[live.active],
+                              finished.ended[live.active])
         leaving = called_off.rows(live.active)
         if leaving is not None:  # they leave as done sentences do
             done = done | leaving
@@ -499,15 +500,17 @@ def first_not_ending(ends: Tensor, beam: int) -> Tensor:
 
 
 def sentences_done(scores: Tensor, kth_best: Tensor, limits: Tensor, alpha: float, beam: int,
-                   stop: Stop, best_ended: Tensor) -> Tensor:
+                   stop: Stop, best_ended: Tensor, ended: Tensor) -> Tensor:
     """(B',) True for a sentence whose search is over: no live hypothesis left, its first
     finished one for greedy search, or as `stop` says (`best_ended`: whether a step's best
-    candidate of the sentence has ended)."""
+    candidate of the sentence has ended; `ended`: how many of its hypotheses have)."""
     done = scores[:, 0] == -math.inf
     if beam == 1:
         return done | (kth_best > -math.inf)
     if stop is Stop.bound:
         return done | can_stop(kth_best, scores[:, 0], limits, alpha)
+    if stop is Stop.patience:
+        return done | (ended >= beam)
     if stop is Stop.best_ends:
         return done | (best_ended & (kth_best > -math.inf))
     return done
@@ -559,6 +562,8 @@ class Finished:
                               device=penalties.device)
         # Whether a step's best candidate has ended (`Stop.best_ends`).
         self.best_ended = torch.zeros(batch, dtype=torch.bool, device=penalties.device)
+        # How many hypotheses have ended, kept among the n best or not (`Stop.patience`).
+        self.ended = torch.zeros(batch, dtype=torch.long, device=penalties.device)
         self.rows: list[Tensor] = []  # `finished_rows` of each step where some finished
 
     @property
@@ -577,6 +582,7 @@ class Finished:
         top = self.top[live.active]
         self.top[live.active] = torch.cat([top, scores], dim=1).topk(self.nbest, dim=1).values
         self.best_ended[live.active] |= ending[:, 0]
+        self.ended[live.active] += ending.sum(dim=1)
         return scores > top[:, -1:]
 
     def keep(self, finishing: Tensor, count: int, best: Tensor, origin: Tensor,

@@ -10,7 +10,8 @@ tokens (EOS included). Run on its own, it times both thread layouts on the Multi
 
 Report on stderr, one JSON object on stdout. Differences from attn's search that remain: CTranslate2
 normalises a finished hypothesis by |Y|^lp (|Y| without the EOS), not GNMT's ((5 + |Y|) / 6)^α,
-and its beam search stops once the best beam ends (ours: once no live beam can win); a sentence
+and at a length penalty other than 0 its beam search stops a sentence once beam-many hypotheses
+have ended (`attn decode --stop patience`; ours by default: once no live beam can win); a sentence
 that reaches the length limit gets no EOS (ours is forced to end with one). Greedy search with no
 length penalty is exactly attn's `--beam 1 --alpha 0`.
 """

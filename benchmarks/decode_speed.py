@@ -28,6 +28,13 @@ against CTranslate2 with the same shortlist as its vocabulary map (`use_vmap`), 
 vocabulary's runs beside in the same run. `--compile`: every configuration again with `attn
 decode --compile on` (its compile in the decode time, as a run of the command has it).
 
+The headline rows decode with attn's default, exact search (`--stop bound`: the result of a
+search run to the length limit). CTranslate2 at a length penalty above 0 (here 0.6) stops a
+sentence once beam-many hypotheses have ended (fairseq's rule), which decodes ~10% fewer rows:
+each beam above 1 is therefore timed again as `beamK-patience`, attn with `--stop patience`,
+CTranslate2's rule, against the same CTranslate2 runs' configuration (`--no-same-rule`: not;
+an `--extra` naming `--stop` has its own rule already).
+
 Report on stderr (with the CPU model and ISA), one JSON object on stdout. Only the same-run
 ratios carry from one machine to another; the absolute figures are this machine's.
 """
@@ -52,7 +59,9 @@ CT2_RATIO_TARGET = 1.0  # attn / CTranslate2 output tokens/s
 STARTUP_TARGET_S = 0.3  # one-sentence decode wall - `import torch` wall
 ONE_SENTENCE = "A man is riding a bike down the street.\n"
 CONFIGURATIONS = {"shortlist": "attn --shortlist, CTranslate2 use_vmap",
-                  "compiled": "attn --compile on"}
+                  "compiled": "attn --compile on",
+                  "patience": "attn --stop patience, CTranslate2's own stopping rule at a "
+                               "length penalty above 0; inexact, not the headline"}
 
 
 def decode(model: str, source: str, beam: int, extra: list[str]) -> dict:
@@ -120,6 +129,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="Also time attn with --compile on (each configuration), the "
                         "compile inside its decode time, as a user's run has it.")
+    parser.add_argument("--no-same-rule", action="store_true",
+                        help="Skip the rows timing attn with CTranslate2's stopping rule "
+                        "(--stop patience) beside the exact default.")
     parser.add_argument("--shortlist", help="Also time attn with this `attn shortlist` file "
                         "(--shortlist) against CTranslate2 with the same shortlist as its "
                         "vocabulary map (use_vmap), each beam.")
@@ -163,9 +175,13 @@ def main() -> None:
         if args.compile:  # each again with the step compiled, its compile time included
             configurations += [(suffix + "-compiled", options + ["--compile", "on"], use_vmap)
                                for suffix, options, use_vmap in configurations]
+        if not args.no_same_rule and "--stop" not in extra:
+            configurations.append(("-patience", extra + ["--stop", "patience"], False))
         for beam, (suffix, extra, use_vmap) in ((int(b), configuration)
                                                  for b in args.beams.split(",")
                                                  for configuration in configurations):
+            if beam == 1 and suffix == "-patience":  # greedy: every rule is the same
+                continue
             if suffix:
                 said = ", ".join(CONFIGURATIONS[part] for part in suffix[1:].split("-"))
                 log(f"beam {beam}, {suffix[1:]} ({said}):")

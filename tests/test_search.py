@@ -116,16 +116,21 @@ def test_sentences_done_for_greedy_beam_and_exhaustion():
     limits = torch.tensor([10, 10, 10])
     # No live hypothesis (row 1) is always done; row 2 cannot beat -1.0 any more.
     best_ended = torch.tensor([True, False, False])
-    done = [sentences_done(scores, kth_best, limits, 0.6, 2, stop, best_ended).tolist()
-            for stop in (Stop.bound, Stop.limit, Stop.best_ends)]
-    assert done == [[False, True, True], [False, True, False], [False, True, False]]
+    ended = torch.tensor([1, 0, 1])
+    done = [sentences_done(scores, kth_best, limits, 0.6, 2, stop, best_ended, ended).tolist()
+            for stop in (Stop.bound, Stop.limit, Stop.best_ends, Stop.patience)]
+    assert done == [[False, True, True], [False, True, False], [False, True, False],
+                    [False, True, False]]
     # best-ends: the best candidate ended once and a hypothesis is finished (row 0 has none).
     kth_best[0] = -5.0
-    assert sentences_done(scores, kth_best, limits, 0.6, 2, Stop.best_ends, best_ended
+    assert sentences_done(scores, kth_best, limits, 0.6, 2, Stop.best_ends, best_ended, ended
                           ).tolist() == [True, True, False]
+    # patience: K = 2 hypotheses ended, whatever their scores and the live ones'.
+    assert sentences_done(scores, kth_best, limits, 0.6, 2, Stop.patience, best_ended,
+                          torch.tensor([2, 0, 1])).tolist() == [True, True, False]
     # Greedy: done as soon as one hypothesis finished, whatever the rule.
     for stop in Stop:
-        assert sentences_done(scores[:, :1], kth_best, limits, 0.6, 1, stop, best_ended
+        assert sentences_done(scores[:, :1], kth_best, limits, 0.6, 1, stop, best_ended, ended
                               ).tolist() == [True, True, True]
 
 
@@ -318,9 +323,10 @@ def test_early_stopping_changes_nothing(beam, nbest):
             assert [h.score for h in found] == pytest.approx([h.score for h in expected])
 
 
-def test_stopping_when_the_best_candidate_ends_is_a_prefix_of_the_same_search():
-    """best-ends (CTranslate2's rule) follows the same beams and stops no later: it decodes no
-    more rows, finds nothing better than the search to the limit, and greedy is unchanged."""
+def test_the_inexact_rules_stop_no_later_and_find_nothing_better():
+    """best-ends (OpenNMT-py's rule) and patience (fairseq's; CTranslate2's at α ≠ 0) follow
+    the same beams as the exact bound: they decode fewer rows than a search to the limit,
+    best-ends fewest, find nothing better than it, and greedy is the same under every rule."""
     model = random_model(vocab=12, seed=2)
     generator = torch.Generator().manual_seed(4)
     sentences = [torch.randint(4, 12, (n,), generator=generator).tolist() + [3]
@@ -339,11 +345,36 @@ def test_stopping_when_the_best_candidate_ends_is_a_prefix_of_the_same_search():
     found = {}
     for rule in Stop:
         found[rule] = beam_search(model, batch, beam=4, max_len_b=10, stop=rule)
-    assert rows[Stop.best_ends] < rows[Stop.bound] < rows[Stop.limit]
-    for quick, full in zip(found[Stop.best_ends], found[Stop.limit]):
-        assert quick[0].score <= full[0].score + 1e-6
+    assert rows[Stop.best_ends] < rows[Stop.patience] < rows[Stop.limit]
+    assert rows[Stop.bound] < rows[Stop.limit]
+    for rule in (Stop.best_ends, Stop.patience):
+        for quick, full in zip(found[rule], found[Stop.limit]):
+            assert quick[0].score <= full[0].score + 1e-6
     greedy = [beam_search(model, batch, beam=1, max_len_b=10, stop=rule) for rule in Stop]
-    assert greedy[0] == greedy[1] == greedy[2]
+    assert all(result == greedy[0] for result in greedy)
+
+
+def test_patience_stops_a_sentence_once_beam_many_hypotheses_ended():
+    """fairseq's rule by hand, EOS made by far the best token: at the first step one
+    hypothesis ends (one row, BOS), which settles the exact bound's answer (no live hypothesis
+    can catch up) but is 1 of the K = 3 patience waits for; at the second the 3 live beams each
+    end, 4 >= 3, and the sentence stops."""
+    model = random_model(vocab=12, seed=5)
+    batch = torch.tensor([[5, 6, 7, 3]])
+    decode_step, steps = model.decode_step, []
+
+    def eos_first(tokens, cache):
+        steps.append(len(tokens))
+        logits, cache = decode_step(tokens, cache)
+        logits[:, model.config.eos_id] += 50.0
+        return logits, cache
+
+    model.decode_step = eos_first
+    beam_search(model, batch, beam=3, max_len_b=10, stop=Stop.bound)
+    assert steps == [1]
+    steps.clear()
+    beam_search(model, batch, beam=3, max_len_b=10, stop=Stop.patience)
+    assert steps == [1, 3]
 
 
 def test_nbest_is_sorted_and_distinct():

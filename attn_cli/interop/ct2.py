@@ -12,8 +12,9 @@ separate embeddings) and writes beside CTranslate2's files the SentencePiece mod
 
 The source EOS is added by CTranslate2 (`add_source_eos`), as `attn decode` adds it. Greedy
 search gives `attn decode --beam 1`'s output; beam search differs in two settings attn cannot
-store in the model: CTranslate2 normalises by |Y|^α, not GNMT's ((5 + |Y|) / 6)^α, and stops
-once the best beam ends (`attn decode --stop best-ends`).
+store in the model: CTranslate2 normalises by |Y|^α, not GNMT's ((5 + |Y|) / 6)^α, and at a
+length penalty other than 0 stops a sentence once beam-many hypotheses have ended (`attn decode
+--stop patience`; at 0 once the best beam ends, `--stop best-ends`).
 """
 
 from __future__ import annotations

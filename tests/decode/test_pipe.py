@@ -54,11 +54,12 @@ def test_decode_stop_rule_option(trained, corpus):
     model, _ = trained
     stdin = corpus["val.en"].read_text(encoding="utf-8")
     common = ["decode", "-m", model, "--beam", "3", "--max-len-b", "6", "--dtype", "fp32"]
-    quick = run_attn(*common, "--stop", "best-ends", stdin=stdin)
-    assert quick.returncode == 0, quick.stderr
-    assert quick.stdout.count("\n") == stdin.count("\n")
-    alone = run_attn(*common, "--stop", "best-ends", "--buffer-size", "1", stdin=stdin)
-    assert alone.stdout == quick.stdout  # a per-sentence rule: batching changes nothing
+    for rule in ("best-ends", "patience"):
+        quick = run_attn(*common, "--stop", rule, stdin=stdin)
+        assert quick.returncode == 0, quick.stderr
+        assert quick.stdout.count("\n") == stdin.count("\n")
+        alone = run_attn(*common, "--stop", rule, "--buffer-size", "1", stdin=stdin)
+        assert alone.stdout == quick.stdout  # a per-sentence rule: batching changes nothing
     assert_clean_error(run_attn(*common, "--stop", "soon", stdin=stdin), "--stop", "'soon'")
 
 

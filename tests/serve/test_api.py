@@ -175,7 +175,7 @@ def test_search_settings_are_typed_and_within_the_servers_limits():
     ({"beam": 9}, "beam 9 is above this server's limit of 8 (--max-beam)"),
     ({"nbest": 9}, "nbest 9 is above this server's limit of 8 (--max-beam)"),
     ({"max_len_b": MAX_LEN_B + 1}, f"max_len_b must be at most {MAX_LEN_B}"),
-    ({"stop": "soon"}, "stop must be one of bound, best-ends, limit, not 'soon'"),
+    ({"stop": "soon"}, "stop must be one of bound, patience, best-ends, limit, not 'soon'"),
 ])
 def test_search_settings_refusals(fields, message):
     assert refused(api.search_settings, fields, 8) == (422, message)
