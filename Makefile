@@ -15,6 +15,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH) -e '.[test,plot,ct2,serve,hf,tensorboard,wandb]'
+	$(BIN)/python -m attn_cli.decode.native  # the C++ decoder step, built now, not at first use
 	touch $@
 
 demo: install

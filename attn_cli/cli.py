@@ -30,6 +30,7 @@ from .formats import (
     GPU_BATCH_TOKENS,
     GRAD_SYNC,
     PARSING,
+    STEP_MODES,
     TERMINALS,
     TOKENIZERS,
     TRANSLATION,
@@ -132,6 +133,13 @@ CompileOption = Annotated[CompileMode, typer.Option(
     "compiler (a CPU, one float model; else one line and the eager step): the same outputs, "
     "but on the CPUs measured no faster once compiled and 6-30 s to compile in every run "
     "(benchmarks/README.md), so off, and auto, decode with the eager step.")]
+StepMode = _choices("StepMode", STEP_MODES)
+StepOption = Annotated[StepMode, typer.Option(
+    "--step", help="What runs each decoder step on a CPU. auto: attn's C++ step (one call a "
+    "step, the same outputs bit for bit; built once per torch version and CPU at first use, "
+    "~1 minute) where it covers the model (one float model; not --int8 or an ensemble yet), "
+    "else the eager one. native: the same, with one line where it cannot. eager: torch's ops "
+    "from Python.")]
 ThreadsOption = Annotated[int, typer.Option("--threads", min=0,
                                             help="CPU threads (0: all cores).")]
 WorkersOption = Annotated[int, typer.Option(
@@ -616,6 +624,7 @@ def decode(
     dtype: PrecisionOption = Precision.auto,
     int8: Int8Option = False,
     compile: CompileOption = CompileMode.off,
+    step: StepOption = StepMode.auto,
     threads: ThreadsOption = 0,
     workers: WorkersOption = 0,
     raw: bool = typer.Option(False, "--raw", help="Print subword pieces, not detokenized "
@@ -720,6 +729,7 @@ def decode(
                                  batch_tokens=batch_tokens, buffer_size=buffer_size, raw=raw,
                                  int8=int8, constraint_search=constraint_search,
                                  target_lang=target_lang, compile=compile.value,
+                                 step=step.value,
                                  glossary=glossary, bans=ban, shortlist=shortlist_path)
     if target_lang is None:
         from .tags import untagged_note
@@ -853,6 +863,7 @@ def serve(
     device: DeviceOption = Device.auto,
     dtype: PrecisionOption = Precision.auto,
     int8: Int8Option = False,
+    step: StepOption = StepMode.auto,
     threads: ThreadsOption = 0,
     workers: WorkersOption = 0,
     glossary: Optional[Path] = typer.Option(
@@ -902,7 +913,7 @@ def serve(
                                      threads=threads, workers=workers, warn=log, alpha=alpha,
                                      max_len_a=max_len_a, max_len_b=max_len_b, stop=stop,
                                      batch_tokens=batch_tokens, int8=int8, glossary=terms,
-                                     bans=bans, shortlist=shortlist)
+                                     bans=bans, shortlist=shortlist, step=step.value)
         _collector_on(loaded=True)
         return translator
 
@@ -1061,6 +1072,7 @@ def parse(
     device: DeviceOption = Device.auto,
     dtype: PrecisionOption = Precision.auto,
     int8: Int8Option = False,
+    step: StepOption = StepMode.auto,
     threads: ThreadsOption = 0,
     workers: WorkersOption = 0,
     input_path: InputOption = "-",
@@ -1095,7 +1107,8 @@ def parse(
                                  threads=threads, workers=workers, warn=log, alpha=alpha,
                                  max_len_a=max_len_a, max_len_b=max_len_b,
                                  batch_tokens=batch_tokens, buffer_size=buffer_size,
-                                 int8=int8, constraint_for=tree_constraints(terminals.value,
+                                 int8=int8, step=step.value,
+                                 constraint_for=tree_constraints(terminals.value,
                                                                  score_words.value)
                                  if constrain else None)
     loaded_in = time.perf_counter() - started

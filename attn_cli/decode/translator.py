@@ -19,7 +19,7 @@ from ..config import parse_langs
 from ..devices import inference_dtype, inference_model, pick_device, search_batch_tokens
 from ..ensemble import Ensemble, load_models
 from ..errors import AttnError, batch_must_fit
-from ..formats import COMPILE_MODES, MAX_SOURCE_TOKENS, TRANSLATION
+from ..formats import COMPILE_MODES, MAX_SOURCE_TOKENS, STEP_MODES, TRANSLATION
 from ..modelfile import LoadedModel
 from ..search import (
     Hypothesis,
@@ -50,7 +50,7 @@ class Translator:
     def __init__(self, loaded: LoadedModel, options: DecodeOptions, device: torch.device,
                  dtype: str = "fp32", warn=None, constraint_for=None,
                  ensemble: list[LoadedModel] = (), int8: bool = False, compile: str = "off",
-                 controls: DecodeControls = DecodeControls()):
+                 controls: DecodeControls = DecodeControls(), step: str = "auto"):
         self.options, self.device = options, device
         # Of the loaded models the translator keeps what lines in and out need (the first
         # one's config, for the special ids, and vocabularies: an ensemble shares them) and a
@@ -65,9 +65,9 @@ class Translator:
                   for member in (loaded, *ensemble)]
         self.model = models[0] if len(models) == 1 else Ensemble(models)
         self.warn = warn or (lambda message: print(message, file=sys.stderr, flush=True))
-        # What the search steps: the model, or its step with a preallocated cache, compiled
-        # (`--compile`, `compiled.StepDecoder`)
-        self.stepped = self._stepped(compile, int8)
+        # What the search steps: the model, its step in C++ (`--step`, `native.NativeDecoder`),
+        # or its step with a preallocated cache, compiled (`--compile`, `compiled.StepDecoder`)
+        self.stepped = self._stepped(compile, int8, step)
         # Longest source the models take: their positions (learned) or any sane length, EOS
         # included; the target side also needs max_len_a·|x| + b positions.
         learned = [member.config.max_positions - 1 for member in (loaded, *ensemble)
@@ -86,15 +86,24 @@ class Translator:
         self._word_pieces: WordPieces | None = None
         self._pool: ThreadPoolExecutor | None = None
 
-    def _stepped(self, compile: str, int8: bool):
+    def _stepped(self, compile: str, int8: bool, step: str):
         """The model the search steps with `compile` (`formats.COMPILE_MODES`): "on", a
         compiled step where it covers the model (one model on a CPU, not --int8), else the
-        model with one stderr line; "auto" as "off"."""
+        model with one stderr line; "auto" as "off". Else as `step` says
+        (`formats.STEP_MODES`): the C++ step where it covers the model and builds (a line
+        where it does not build, or where `native` was asked and it does not cover the model),
+        or the model's own eager step."""
         if compile not in COMPILE_MODES:
             raise AttnError(f"--compile must be one of {', '.join(COMPILE_MODES)}, not "
                             f"{compile!r}")
+        if step not in STEP_MODES:
+            raise AttnError(f"--step must be one of {', '.join(STEP_MODES)}, not {step!r}")
         if compile != "on":
-            return self.model
+            if step == "eager":
+                return self.model
+            from .native import native_decoder
+
+            return native_decoder(self.model, self.warn, asked=step == "native") or self.model
         if isinstance(self.model, Ensemble) or int8 or self.device.type != "cpu":
             self.warn("decode: --compile covers one model on a CPU, not an ensemble, --int8 "
                       "or a GPU yet; decoding eagerly")
@@ -381,7 +390,7 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
                     dtype: str = "auto", threads: int = 0, workers: int = 0, warn=None,
                     constraint_for=None, int8: bool = False, target_lang: str | None = None,
                     compile: str = "off", glossary=None, bans=None, shortlist=None,
-                    **options) -> Translator:
+                    step: str = "auto", **options) -> Translator:
     """A model file (a list of them: an ensemble) made ready to decode: the device (auto: a GPU
     when torch sees one), the precision (auto: bf16 on CUDA, fp32 on a CPU), the CPU threads (0:
     every core), how many batches are searched side by side (0: auto) and, with `int8`, the
@@ -395,7 +404,9 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
     a `glossary.Glossary` or source-to-target pairs, whose terms found in a line become phrases
     its outputs must hold; `bans`, a file's path or a list of phrases no output may hold;
     `shortlist`, a path or a `shortlist.Shortlist`: each batch's output projection over its
-    candidates. This is what `attn decode`, `attn parse` and `attn serve` run; from Python:
+    candidates. `step`: what runs a decoder step (`formats.STEP_MODES`; auto: the C++ step,
+    `native.NativeDecoder`, where it covers the model). This is what `attn decode`, `attn
+    parse` and `attn serve` run; from Python:
 
         translator = load_translator("model.st")
         translator.translate(["A man is riding a bike."])  # ["Ein Mann fährt Fahrrad."]
@@ -419,5 +430,5 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
                                                            f"model file {paths[0]}"))
     return Translator(loaded, settings, chosen, inference_dtype(dtype, chosen), warn=warn,
                       constraint_for=constraint_for(loaded) if constraint_for else None,
-                      ensemble=ensemble, int8=int8, compile=compile,
+                      ensemble=ensemble, int8=int8, compile=compile, step=step,
                       controls=DecodeControls.made_for(loaded, *read))

@@ -1,0 +1,191 @@
+"""The decoder step in C++ (`native/step.cpp`): `Transformer.decode_step` as one call.
+
+A step of the eager decoder is ~170 torch ops for a 3-layer model, each a Python call that parses
+its arguments, dispatches and takes the GIL back; on a small model at small batches that is as
+much time as the matrix products (benchmarks/README.md, `decode_speed.py`). `NativeDecoder` runs
+the same ops, with the same arguments in the same order, from C++: one Python call a step, the
+GIL released for all of it (other search threads run meanwhile), and the logits the eager step's
+bit for bit. The search, the encoder and everything else stay as they are.
+
+The extension is compiled at first use by torch's `cpp_extension` (a C++ compiler and ninja),
+once per torch version and CPU instruction set, into attn's cache directory
+(`~/.cache/attn/native`, or `$XDG_CACHE_HOME/attn/native`; `ATTN_NATIVE_DIR` chooses another),
+and loaded from there by later processes. Where it cannot be built or loaded (no compiler, an
+unsupported build), and for what it does not cover (a GPU, an ensemble, `--int8`), the eager step
+runs, with one line on stderr saying why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..devices import PackedFeedForward, PackedLinear
+from ..model import DecoderCache, FeedForward, Transformer
+
+SOURCE = Path(__file__).with_name("native") / "step.cpp"
+NAME = "attn_native_step"
+
+
+def cache_directory() -> Path:
+    """Where the built extension lives: one folder per torch version, machine, CPU instruction
+    set and source (the compiled code is good for those only; two checkouts of different
+    sources never rebuild over each other)."""
+    chosen = os.environ.get("ATTN_NATIVE_DIR")
+    if chosen:
+        base = Path(chosen)
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attn" / "native"
+    isa = torch.backends.cpu.get_cpu_capability().lower()
+    version = torch.__version__.replace("+", "-")
+    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return base / f"torch-{version}-{platform.machine()}-{isa}-{source}"
+
+
+def is_built() -> bool:
+    """Whether a process may load the extension without compiling it first."""
+    return (cache_directory() / f"{NAME}.so").exists()
+
+
+@functools.cache
+def extension():
+    """The compiled module (built here the first time), or why it is not at hand: a string,
+    for the one line the caller prints."""
+    try:
+        from torch.utils import cpp_extension
+
+        directory = cache_directory()
+        directory.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(name=NAME, sources=[str(SOURCE)],
+                                  build_directory=str(directory), extra_cflags=["-O2"],
+                                  verbose=False)
+    except Exception as error:  # no compiler, no ninja, headers missing: the eager step then
+        text = " ".join(str(error).split()) or type(error).__name__
+        return text if len(text) <= 160 else text[:157] + "..."
+
+
+def native_linear(module, native, activation: str = "none"):
+    """The C++ counterpart of one of the model's linear layers."""
+    if isinstance(module, PackedLinear):
+        return native.Linear(True, module.packed, module.bias, module.activation)
+    if isinstance(module, torch.nn.Linear) and type(module) is torch.nn.Linear:
+        return native.Linear(False, module.weight, module.bias, activation)
+    raise TypeError(f"no C++ step for a {type(module).__name__} layer")
+
+
+def native_ffn(ffn, native) -> tuple:
+    if isinstance(ffn, PackedFeedForward):
+        return native_linear(ffn.inner, native), native_linear(ffn.outer, native)
+    if isinstance(ffn, FeedForward):
+        return native_linear(ffn.inner, native, ffn.activation), native_linear(ffn.outer, native)
+    raise TypeError(f"no C++ step for a {type(ffn).__name__} block")
+
+
+def native_norm(norm: torch.nn.LayerNorm, native):
+    return native.Norm(norm.weight, norm.bias, norm.eps)
+
+
+class NativeDecoder:
+    """A model's incremental decoding with its decoder step in C++: what the search takes
+    (`search.SearchModel`) in place of the model, with the model's own cache
+    (`model.DecoderCache`), encoder and shortlist projection."""
+
+    def __init__(self, model: Transformer, native):
+        self.model, self.config = model, model.config
+        config = model.config
+        linears, norms = [], []
+        for layer in model.decoder_layers:
+            linears += [native_linear(layer.self_attn.qkv_proj, native),
+                        native_linear(layer.self_attn.out_proj, native),
+                        native_linear(layer.cross_attn.q_proj, native),
+                        native_linear(layer.cross_attn.out_proj, native),
+                        *native_ffn(layer.ffn, native)]
+            norms += [native_norm(norm, native) for norm in layer.sub.norms]
+        if model.output_projection is not None:
+            output = native_linear(model.output_projection, native)
+        else:
+            output = native.Linear(False, model.tgt_embed.weight, model.output_bias, "none")
+        final_norm = native_norm(model.decoder_norm, native) if config.norm == "pre" else None
+        self._decoder = native.Decoder(
+            config.heads, config.d_k, config.d_v, config.norm == "pre", model.tgt_embed.weight,
+            model.embed_scale, config.pad_id, linears, norms, final_norm, output)
+
+    def encode(self, src_tokens: Tensor) -> tuple[Tensor, Tensor]:
+        return self.model.encode(src_tokens)
+
+    def start_decoding(self, memory: Tensor, src_mask: Tensor,
+                       output_ids: Tensor | None = None) -> DecoderCache:
+        return self.model.start_decoding(memory, src_mask, output_ids)
+
+    def decode_step(self, tokens: Tensor, cache: DecoderCache) -> tuple[Tensor, DecoderCache]:
+        """`Transformer.decode_step`'s contract, in one C++ call."""
+        spare = [buffer for pair in cache.spare for buffer in pair] if cache.spare else []
+        logits, grown, buffers = self._decoder.step(
+            tokens, self.model.positions(cache.step, 1), cache.src_mask,
+            [tensor for pair in cache.memory_kv for tensor in pair],
+            [tensor for pair in cache.self_kv for tensor in pair], cache.self_rows, spare,
+            cache.output is None)
+        if cache.output is not None:
+            logits = cache.output(logits)
+        return logits, DecoderCache(
+            cache.src_mask, cache.memory_kv, tuple(zip(grown[::2], grown[1::2])), cache.step + 1,
+            buffers=tuple(zip(buffers[::2], buffers[1::2])), spare=cache.buffers,
+            output=cache.output)
+
+
+def covers(model) -> bool:
+    """Whether the C++ step computes this model's step: one model (not an ensemble) on a CPU
+    whose decoder's layers are all of the kinds it knows (linear layers packed or dense, not
+    --int8's)."""
+    if not isinstance(model, Transformer) or model.tgt_embed.weight.device.type != "cpu" \
+            or model.training:  # (dropout: the step has none)
+        return False
+    known = (PackedLinear, torch.nn.Linear, torch.nn.LayerNorm)
+    leaves = [module for module in model.decoder_layers.modules()
+              if not any(True for _ in module.children())]
+    if model.output_projection is not None:
+        leaves.append(model.output_projection)
+    return all(type(leaf) in known or isinstance(leaf, torch.nn.Dropout) for leaf in leaves)
+
+
+def native_decoder(model, warn, asked: bool = False) -> "NativeDecoder | None":
+    """The model's C++ step, or None (the eager step then), with one line to `warn` where the
+    extension cannot be built and, `asked` (`--step native`), where it does not cover the
+    model. The first use on a machine builds it, saying so."""
+    if not covers(model):
+        if asked:
+            warn("decode: the C++ decoder step covers one float model on a CPU, not an "
+                 "ensemble, --int8 or a GPU yet; decoding with the eager step")
+        return None
+    if not is_built():
+        warn("decode: building attn's C++ decoder step, once for this torch and CPU "
+             "(about a minute; --step eager skips it)")
+    native = extension()
+    if isinstance(native, str):
+        warn(f"decode: the C++ decoder step could not be built ({native}); decoding with the "
+             "eager step (a C++ compiler and ninja build it)")
+        return None
+    return NativeDecoder(model, native)
+
+
+def main() -> None:
+    """`python -m attn_cli.decode.native`: build the extension now (`make install` does), and
+    say where it is or why it cannot be built."""
+    import sys
+
+    native = extension()
+    if isinstance(native, str):
+        print(f"attn: the C++ decoder step could not be built ({native}); decoding will use "
+              "the eager step", file=sys.stderr)
+    else:
+        print(f"attn: the C++ decoder step is built: {cache_directory()}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""`--step` (decode/native.py, decode/native/step.cpp): the decoder step in C++, held to the
+eager step bit for bit in every search, and the eager step where it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attn_cli.decode.native as native_module
+from attn_cli.config import PRESETS
+from attn_cli.decode.constraints import search_constraint
+from attn_cli.decode.controls import Controls
+from attn_cli.decode.native import NativeDecoder, covers, extension, native_decoder
+from attn_cli.devices import cpu_has_native_bf16, inference_model
+from attn_cli.ensemble import Ensemble
+from attn_cli.model import Transformer
+from attn_cli.search import beam_search, sample, sentence_uniforms
+
+from ..conftest import run_attn
+from ..toys import random_model
+
+# Sources of three lengths (one padded): the batch loses sentences as they reach their limits.
+SOURCES = torch.tensor([[5, 9, 12, 7, 3], [8, 30, 3, 0, 0], [21, 22, 23, 24, 3]])
+
+
+@pytest.fixture(scope="module")
+def built():
+    """The extension, built (once per machine and source; `make install` builds it first). A
+    machine of this project has a compiler: a failure here is a failure, not a skip."""
+    native = extension()
+    assert not isinstance(native, str), native
+    return native
+
+
+def pre_norm_model() -> Transformer:
+    """Pre-norm, learned positions, biases on the attention and the logits: the step's other
+    branches."""
+    torch.manual_seed(5)
+    config = PRESETS["tiny"].model_config(40, dropout=0.0, norm="pre", positions="learned",
+                                          attention_bias=True, output_bias=True)
+    model = Transformer(config).eval()
+    with torch.no_grad():
+        model.output_bias.normal_()
+        for layer in model.decoder_layers:
+            layer.self_attn.qkv_proj.bias.normal_(std=0.1)
+    return model
+
+
+def swish_model() -> Transformer:
+    torch.manual_seed(6)
+    return Transformer(PRESETS["tiny"].model_config(40, dropout=0.0, activation="swish")).eval()
+
+
+class Recorded:
+    """A stepper whose every step's logits are kept."""
+
+    def __init__(self, stepper):
+        self.stepper, self.config, self.logits = stepper, stepper.config, []
+
+    def encode(self, src_tokens):
+        return self.stepper.encode(src_tokens)
+
+    def start_decoding(self, *arguments):
+        return self.stepper.start_decoding(*arguments)
+
+    def decode_step(self, tokens, cache):
+        logits, cache = self.stepper.decode_step(tokens, cache)
+        self.logits.append(logits.clone())
+        return logits, cache
+
+
+def searches(model) -> tuple[list, list]:
+    """Every kind of search of SOURCES (beam with n-best, greedy, a shortlist, sampling, a
+    prefix and a phrase to hold, a sentence called off midway), and every step's logits."""
+    recorded = Recorded(model)
+    allowed = torch.tensor([3, 5, 6, 9, 12, 13, 17, 21, 30, 31, 39])
+    controls = [Controls(prefix=(9, 12)), Controls(phrases=((17, 21),)), Controls()]
+    steps = iter(range(1000))
+    with torch.inference_mode():
+        found = [
+            beam_search(recorded, SOURCES, beam=4, nbest=2, max_len_b=20),
+            beam_search(recorded, SOURCES, beam=1, max_len_b=20),
+            beam_search(recorded, SOURCES, beam=3, max_len_b=20, output_ids=allowed),
+            sample(recorded, SOURCES, sentence_uniforms(1, [0, 1, 2], 40), max_len_b=20),
+            beam_search(recorded, SOURCES, beam=4, max_len_b=12,
+                        constraint=search_constraint(controls, [[30]], 3)),
+            beam_search(recorded, SOURCES, beam=4, max_len_b=20,
+                        cancelled=lambda: [1] if next(steps) > 3 else []),
+        ]
+    return found, recorded.logits
+
+
+@pytest.mark.parametrize("linears", ["packed", "dense"])
+@pytest.mark.parametrize("make", [lambda: random_model(vocab=40, seed=4), pre_norm_model,
+                                  swish_model], ids=["post-norm", "pre-norm", "swish"])
+def test_the_cpp_step_gives_the_eager_logits_bit_for_bit(built, make, linears):
+    """Each step's logits equal the eager step's exactly (the same ATen ops, in the same
+    order), so every search finds the same hypotheses with the same scores."""
+    model = inference_model(make(), torch.device("cpu"), linears=linears)
+    expected, eager_logits = searches(model)
+    found, native_logits = searches(NativeDecoder(model, built))
+    assert found == expected
+    assert len(native_logits) == len(eager_logits) > 100
+    assert all(torch.equal(a, b) for a, b in zip(native_logits, eager_logits))
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="bf16 decoding needs a CPU with native "
+                    "bf16 (AVX-512 BF16 or AMX); `attn decode --dtype bf16` refuses it here")
+def test_the_cpp_step_in_bf16_too(built):
+    model = inference_model(random_model(vocab=40, seed=4), torch.device("cpu"), "bf16",
+                            linears="packed")
+    expected, eager_logits = searches(model)
+    found, native_logits = searches(NativeDecoder(model, built))
+    assert found == expected
+    assert all(torch.equal(a, b) for a, b in zip(native_logits, eager_logits))
+
+
+def test_what_the_cpp_step_covers():
+    """One float model on a CPU, made for decoding; not --int8's layers, an ensemble or a
+    model in training (dropout)."""
+    model = random_model(vocab=40, seed=4)
+    cpu = torch.device("cpu")
+    assert covers(inference_model(model, cpu, linears="packed"))
+    assert covers(inference_model(model, cpu, linears="dense"))
+    assert not covers(inference_model(model, cpu, linears="int8"))
+    assert not covers(Ensemble([inference_model(model, cpu), inference_model(model, cpu)]))
+    assert not covers(model.train())
+
+
+def test_no_compiler_means_the_eager_step_and_one_line(monkeypatch):
+    monkeypatch.setattr(native_module, "extension", lambda: "error: g++: not found")
+    monkeypatch.setattr(native_module, "is_built", lambda: True)
+    said = []
+    model = inference_model(random_model(vocab=40, seed=4), torch.device("cpu"))
+    assert native_decoder(model, said.append) is None
+    assert said == ["decode: the C++ decoder step could not be built (error: g++: not found); "
+                    "decoding with the eager step (a C++ compiler and ninja build it)"]
+
+
+def test_the_first_use_says_it_builds(monkeypatch, built):
+    monkeypatch.setattr(native_module, "is_built", lambda: False)
+    said = []
+    model = inference_model(random_model(vocab=40, seed=4), torch.device("cpu"))
+    assert isinstance(native_decoder(model, said.append), NativeDecoder)
+    assert len(said) == 1 and said[0].startswith("decode: building attn's C++ decoder step")
+
+
+def test_native_asked_where_it_does_not_cover_says_so_once(built):
+    said = []
+    model = inference_model(random_model(vocab=40, seed=4), torch.device("cpu"), linears="int8")
+    assert native_decoder(model, said.append) is None and said == []  # auto: quietly eager
+    assert native_decoder(model, said.append, asked=True) is None
+    assert said == ["decode: the C++ decoder step covers one float model on a CPU, not an "
+                    "ensemble, --int8 or a GPU yet; decoding with the eager step"]
+
+
+def test_the_cache_directory_is_one_per_torch_cpu_and_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTN_NATIVE_DIR", str(tmp_path))
+    directory = native_module.cache_directory()
+    assert directory.parent == tmp_path
+    assert torch.__version__.replace("+", "-") in directory.name
+    assert torch.backends.cpu.get_cpu_capability().lower() in directory.name
+
+
+@pytest.mark.slow
+def test_decode_native_and_eager_write_the_same_bytes(trained, corpus, built):
+    """The command, every line: the C++ step (the default) against the eager one, beam and
+    n-best, greedy, sampling, with several search threads."""
+    model, _ = trained
+    stdin = corpus["val.en"].read_text(encoding="utf-8")
+    common = ["decode", "-m", model, "--max-len-b", "8", "--threads", "2"]
+    for options in (["--nbest", "2"], ["--beam", "1"], ["--sample", "--seed", "3"]):
+        native = run_attn(*common, *options, stdin=stdin)
+        eager = run_attn(*common, *options, "--step", "eager", stdin=stdin)
+        assert native.returncode == eager.returncode == 0, native.stderr
+        assert native.stdout == eager.stdout and native.stdout.count("\n") >= stdin.count("\n")
+        assert "C++" not in native.stderr  # built: nothing to say
+    asked = run_attn(*common, "--int8", "--step", "native", stdin="a man\n")
+    assert asked.returncode == 0 and "--int8" in asked.stderr
