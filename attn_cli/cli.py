@@ -137,7 +137,8 @@ StepMode = _choices("StepMode", STEP_MODES)
 StepOption = Annotated[StepMode, typer.Option(
     "--step", help="What runs each decoder step on a CPU. auto: attn's C++ step (one call a "
     "step, the same outputs bit for bit; built once per torch version and CPU at first use, "
-    "~1 minute) where it covers the model (one float model; not --int8 or an ensemble yet), "
+    "~1 minute) where it covers the model (one model on a CPU, --int8 too; not an ensemble "
+    "yet), "
     "else the eager one. native: the same, with one line where it cannot. eager: torch's ops "
     "from Python.")]
 ThreadsOption = Annotated[int, typer.Option("--threads", min=0,

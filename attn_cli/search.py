@@ -350,6 +350,12 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
                          output_ids, cancelled)
     # The lengths at which some sentence reaches its limit: only at those steps can a row be
     # at its limit, so only then is there anything to do about it.
+    if getattr(model, "free_search", None) is not None and setup.spread is None \
+            and type(setup.constraint) in (Unconstrained, ShortlistColumns):
+        # A free search the model runs whole, every step in one call (decode/native.py)
+        penalties = length_penalties(max(setup.limit_lengths), alpha, device)
+        return best_hypotheses(model.free_search(setup, penalties, beam, alpha, nbest, stop),
+                               batch, nbest)
     limits, limit_lengths, cache = setup.limits, setup.limit_lengths, setup.cache
     constraint, called_off = setup.constraint, setup.called_off
     finished = Finished(batch, nbest, length_penalties(max(limit_lengths), alpha, device))
@@ -603,11 +609,17 @@ class Finished:
 
     def best(self) -> list[list[Hypothesis]]:
         """Each sentence's `nbest` best, best first (one empty hypothesis if none finished)."""
-        found: list[list[Hypothesis]] = [[] for _ in range(len(self.top))]
-        for sentence, hypothesis in read_hypotheses(self.rows):
-            found[sentence].append(hypothesis)
-        return [sorted(hypotheses, key=lambda h: -h.score)[:self.nbest]
-                or [Hypothesis([], -math.inf, -math.inf)] for hypotheses in found]
+        return best_hypotheses(self.rows, len(self.top), self.nbest)
+
+
+def best_hypotheses(rows: list[Tensor], batch: int, nbest: int) -> list[list[Hypothesis]]:
+    """Each of `batch` sentences' `nbest` best of the finished hypotheses `rows`
+    (`finished_rows`), best first; one empty hypothesis where none finished."""
+    found: list[list[Hypothesis]] = [[] for _ in range(batch)]
+    for sentence, hypothesis in read_hypotheses(rows):
+        found[sentence].append(hypothesis)
+    return [sorted(hypotheses, key=lambda h: -h.score)[:nbest]
+            or [Hypothesis([], -math.inf, -math.inf)] for hypotheses in found]
 
 
 # ----------------------------------------------------------------------------------- sampling

@@ -34,6 +34,11 @@ def main() -> None:
     parser.add_argument("--nbest", type=int, default=1)
     parser.add_argument("--int8", action="store_true", help="attn decode --int8's model.")
     parser.add_argument("--compile", default="off", help="attn decode --compile's mode.")
+    parser.add_argument("--step", default="auto", help="attn decode --step's mode (auto: the "
+                        "C++ step; eager: torch's ops from Python).")
+    parser.add_argument("--split", action="store_true",
+                        help="Also say how much of a plain run is the decoder's steps (the "
+                        "rest: the encoder, the search, batching and pieces).")
     parser.add_argument("--parse", action="store_true",
                         help="A parser model, searched as `attn parse --beam 21 --alpha 0.3 "
                         "--constrain` (the recipe's search; --beam and --alpha still apply): "
@@ -65,7 +70,7 @@ def main() -> None:
         beam = args.beam or TRANSLATION.beam
     translator = load_translator(args.model, beam=beam, nbest=args.nbest, device="cpu",
                                  threads=1, workers=1, int8=args.int8,
-                                 compile=args.compile, **options)
+                                 compile=args.compile, step=args.step, **options)
     gc.freeze()  # as `attn decode` does once its model is loaded (cli._collector_on)
     if args.src:
         with open(args.src, encoding="utf-8") as source:
@@ -84,6 +89,8 @@ def main() -> None:
     print(f"plain: {best:.3f} s for {len(lines)} lines (best of {args.repeats}), beam "
           f"{beam}, 1 thread", file=sys.stderr)
     report = {"seconds": best, "lines": len(lines), "beam": beam}
+    if args.split:
+        report.update(split_steps(translator, lines))
     if args.write:
         with open(args.write, "w", encoding="utf-8") as out:
             out.writelines(line + "\n" for line in outputs)
@@ -110,6 +117,32 @@ def main() -> None:
                          for e in ranked]
     report["output_words"] = tokens
     print(json.dumps(report))
+
+
+def split_steps(translator, lines: list[str]) -> dict:
+    """One more plain run with the decoder's steps timed and counted (rows, calls)."""
+    stepped = translator.stepped
+    step, spent, rows, calls = stepped.decode_step, [0.0], [0], [0]
+
+    def timed(tokens, cache):
+        started = time.perf_counter()
+        result = step(tokens, cache)
+        spent[0] += time.perf_counter() - started
+        rows[0] += len(tokens)
+        calls[0] += 1
+        return result
+
+    stepped.decode_step = timed
+    try:
+        started = time.perf_counter()
+        translator.translate(lines)
+        total = time.perf_counter() - started
+    finally:
+        del stepped.decode_step
+    print(f"split: {total:.3f} s, of which decoder steps {spent[0]:.3f} s ({calls[0]} steps, "
+          f"{rows[0]} rows), the rest {total - spent[0]:.3f} s", file=sys.stderr)
+    return {"split_seconds": total, "step_seconds": spent[0], "steps": calls[0],
+            "rows": rows[0]}
 
 
 if __name__ == "__main__":

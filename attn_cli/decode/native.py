@@ -11,8 +11,8 @@ The extension is compiled at first use by torch's `cpp_extension` (a C++ compile
 once per torch version and CPU instruction set, into attn's cache directory
 (`~/.cache/attn/native`, or `$XDG_CACHE_HOME/attn/native`; `ATTN_NATIVE_DIR` chooses another),
 and loaded from there by later processes. Where it cannot be built or loaded (no compiler, an
-unsupported build), and for what it does not cover (a GPU, an ensemble, `--int8`), the eager step
-runs, with one line on stderr saying why.
+unsupported build), and for what it does not cover (a GPU, an ensemble), the eager step runs, with
+one line on stderr saying why.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ import torch
 from torch import Tensor
 
 from ..devices import PackedFeedForward, PackedLinear
+from ..formats import Stop
 from ..model import DecoderCache, FeedForward, Transformer
+from ..search import ShortlistColumns
 
 SOURCE = Path(__file__).with_name("native") / "step.cpp"
 NAME = "attn_native_step"
@@ -66,17 +68,38 @@ def extension():
                                   build_directory=str(directory), extra_cflags=["-O2"],
                                   verbose=False)
     except Exception as error:  # no compiler, no ninja, headers missing: the eager step then
-        text = " ".join(str(error).split()) or type(error).__name__
-        return text if len(text) <= 160 else text[:157] + "..."
+        return build_failure(error)
+
+
+def build_failure(error: Exception) -> str:
+    """What went wrong, in a line: the compiler's first error where there is one (the
+    exception's text starts with the whole command line), else the exception's first line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = next((line for line in lines if "error:" in line), lines[0] if lines else "")
+    text = text or type(error).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def native_linear(module, native, activation: str = "none"):
     """The C++ counterpart of one of the model's linear layers."""
     if isinstance(module, PackedLinear):
         return native.Linear(True, module.packed, module.bias, module.activation)
-    if isinstance(module, torch.nn.Linear) and type(module) is torch.nn.Linear:
+    if type(module) is torch.nn.Linear:
         return native.Linear(False, module.weight, module.bias, activation)
+    if is_int8_linear(module):
+        # torch.ao's quantized dynamic Linear.forward: reduce_range from its version 4 on
+        reduce_range = module.version is not None and module.version >= 4
+        weight, bias = module._weight_bias()  # int8 per output channel; the float bias
+        return native.Linear.int8(weight, bias, reduce_range, activation)
     raise TypeError(f"no C++ step for a {type(module).__name__} layer")
+
+
+def is_int8_linear(module) -> bool:
+    """Whether `module` is --int8's linear layer (devices.int8_linears): torch's dynamic
+    quantized Linear with int8 weights."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    return type(module) is DynamicLinear and module._packed_params.dtype == torch.qint8
 
 
 def native_ffn(ffn, native) -> tuple:
@@ -112,6 +135,7 @@ class NativeDecoder:
         else:
             output = native.Linear(False, model.tgt_embed.weight, model.output_bias, "none")
         final_norm = native_norm(model.decoder_norm, native) if config.norm == "pre" else None
+        self._native = native
         self._decoder = native.Decoder(
             config.heads, config.d_k, config.d_v, config.norm == "pre", model.tgt_embed.weight,
             model.embed_scale, config.pad_id, linears, norms, final_norm, output)
@@ -138,20 +162,58 @@ class NativeDecoder:
             buffers=tuple(zip(buffers[::2], buffers[1::2])), spare=cache.buffers,
             output=cache.output)
 
+    def free_search(self, setup, penalties: Tensor, beam: int, alpha: float, nbest: int,
+                    stop: Stop) -> list[Tensor]:
+        """`search.beam_search` of a free search (no constraint; the whole vocabulary or a
+        shortlist's columns) set up by `search.start_search`, every step in one C++ call:
+        the finished hypotheses' rows (`search.finished_rows`), as the Python search keeps
+        them, found by the same ops."""
+        cache, constraint = setup.cache, setup.constraint
+        output = column_ids = None
+        if cache.output is not None:  # a shortlist: its projection, and its columns' ids
+            subset = cache.output
+            output = native_linear(subset.projection, self._native) \
+                if subset.projection is not None \
+                else self._native.Linear(False, subset.weight, subset.bias, "none")
+        if isinstance(constraint, ShortlistColumns):
+            column_ids = constraint.ids
+        config, longest = self.config, max(setup.limit_lengths)
+        return self._decoder.beam_search(
+            cache.src_mask, [tensor for pair in cache.memory_kv for tensor in pair],
+            [tensor for pair in cache.self_kv for tensor in pair], output, column_ids,
+            setup.limits, sorted(setup.limit_lengths), setup.banned, penalties,
+            constraint.eos_column, config.eos_id, config.bos_id, beam, nbest,
+            STOP_RULES[stop], alpha, self.model.positions(0, longest),
+            setup.called_off.cancelled)
+
+
+# formats.Stop's rules as step.cpp numbers them
+STOP_RULES = {Stop.bound: 0, Stop.patience: 1, Stop.best_ends: 2, Stop.limit: 3}
+
 
 def covers(model) -> bool:
     """Whether the C++ step computes this model's step: one model (not an ensemble) on a CPU
-    whose decoder's layers are all of the kinds it knows (linear layers packed or dense, not
+    whose decoder's layers are all of the kinds it knows (linear layers packed, dense or
     --int8's)."""
     if not isinstance(model, Transformer) or model.tgt_embed.weight.device.type != "cpu" \
             or model.training:  # (dropout: the step has none)
         return False
     known = (PackedLinear, torch.nn.Linear, torch.nn.LayerNorm)
-    leaves = [module for module in model.decoder_layers.modules()
-              if not any(True for _ in module.children())]
+    layers = list(leaf_layers(model.decoder_layers))
     if model.output_projection is not None:
-        leaves.append(model.output_projection)
-    return all(type(leaf) in known or isinstance(leaf, torch.nn.Dropout) for leaf in leaves)
+        layers.append(model.output_projection)
+    return all(type(layer) in known or is_int8_linear(layer) or
+               isinstance(layer, torch.nn.Dropout) for layer in layers)
+
+
+def leaf_layers(module):
+    """The layers `module` is made of, an int8 linear layer as one (it holds a module of its
+    own, its packed weight)."""
+    children = list(module.children())
+    if not children or is_int8_linear(module):
+        yield module
+    for child in () if is_int8_linear(module) else children:
+        yield from leaf_layers(child)
 
 
 def native_decoder(model, warn, asked: bool = False) -> "NativeDecoder | None":
@@ -160,8 +222,8 @@ def native_decoder(model, warn, asked: bool = False) -> "NativeDecoder | None":
     model. The first use on a machine builds it, saying so."""
     if not covers(model):
         if asked:
-            warn("decode: the C++ decoder step covers one float model on a CPU, not an "
-                 "ensemble, --int8 or a GPU yet; decoding with the eager step")
+            warn("decode: the C++ decoder step covers one model on a CPU, not an ensemble or "
+                 "a GPU yet; decoding with the eager step")
         return None
     if not is_built():
         warn("decode: building attn's C++ decoder step, once for this torch and CPU "

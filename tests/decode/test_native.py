@@ -90,18 +90,72 @@ def searches(model) -> tuple[list, list]:
     return found, recorded.logits
 
 
-@pytest.mark.parametrize("linears", ["packed", "dense"])
+@pytest.mark.parametrize("linears", ["packed", "dense", "int8"])
 @pytest.mark.parametrize("make", [lambda: random_model(vocab=40, seed=4), pre_norm_model,
                                   swish_model], ids=["post-norm", "pre-norm", "swish"])
 def test_the_cpp_step_gives_the_eager_logits_bit_for_bit(built, make, linears):
     """Each step's logits equal the eager step's exactly (the same ATen ops, in the same
-    order), so every search finds the same hypotheses with the same scores."""
+    order), so every search finds the same hypotheses with the same scores; --int8's layers
+    too (whose rows depend on the batch: the same batches here)."""
     model = inference_model(make(), torch.device("cpu"), linears=linears)
     expected, eager_logits = searches(model)
     found, native_logits = searches(NativeDecoder(model, built))
     assert found == expected
     assert len(native_logits) == len(eager_logits) > 100
     assert all(torch.equal(a, b) for a, b in zip(native_logits, eager_logits))
+
+
+def python_loop_taken(tokens, cache):
+    raise AssertionError("the free search ran the Python loop, not the C++ one")
+
+
+FREE_SEARCHES = [{"beam": 4, "nbest": 2}, {"beam": 1}, {"beam": 4, "stop": "patience"},
+                 {"beam": 4, "stop": "best-ends"}, {"beam": 5, "nbest": 5, "stop": "limit"},
+                 {"beam": 3, "output_ids": torch.tensor([3, 5, 6, 9, 12, 13, 17, 21, 30, 31])},
+                 {"beam": 2, "banned": (0, 2, 5, 9)}]
+
+
+@pytest.mark.parametrize("linears", ["packed", "dense"])
+@pytest.mark.parametrize("make", [lambda: random_model(vocab=40, seed=4), pre_norm_model],
+                         ids=["post-norm", "pre-norm"])
+def test_the_cpp_free_search_finds_what_the_python_search_finds(built, make, linears):
+    """A free search (no constraint) runs whole in C++ (`NativeDecoder.free_search`): every
+    stopping rule, n-best, greedy, a shortlist's columns and banned tokens, the same
+    hypotheses with the same scores, bit for bit, as the Python search over the eager step."""
+    model = inference_model(make(), torch.device("cpu"), linears=linears)
+    native = NativeDecoder(model, built)
+    native.decode_step = python_loop_taken  # the search is whole in C++: no step from Python
+    with torch.inference_mode():
+        for options in FREE_SEARCHES:
+            expected = beam_search(model, SOURCES, max_len_b=20, **options)
+            assert beam_search(native, SOURCES, max_len_b=20, **options) == expected, options
+
+
+def test_a_sentence_called_off_leaves_the_cpp_search_as_the_python_one(built):
+    """`cancelled()` is asked before each step's read, in C++ as in Python: the sentence named
+    leaves at the same step, the others find what they would have found."""
+    model = inference_model(random_model(vocab=40, seed=4), torch.device("cpu"),
+                            linears="packed")
+    native = NativeDecoder(model, built)
+    native.decode_step = python_loop_taken
+    found = {}
+    for name, stepper in (("eager", model), ("native", native)):
+        asked = []
+
+        def cancelled(asked=asked):
+            asked.append(len(asked))
+            return [1] if len(asked) > 3 else []
+
+        with torch.inference_mode():
+            found[name] = beam_search(stepper, SOURCES, beam=4, max_len_b=20,
+                                      cancelled=cancelled)
+        found[name + " asked"] = len(asked)
+    assert found["native"] == found["eager"]
+    assert found["native asked"] == found["eager asked"] > 4
+    with torch.inference_mode():
+        alone = beam_search(model, SOURCES[[0, 2]], beam=4, max_len_b=20)
+    assert [[h.tokens for h in found["native"][i]] for i in (0, 2)] == \
+        [[h.tokens for h in hypotheses] for hypotheses in alone]
 
 
 @pytest.mark.skipif(not cpu_has_native_bf16(), reason="bf16 decoding needs a CPU with native "
@@ -116,13 +170,12 @@ def test_the_cpp_step_in_bf16_too(built):
 
 
 def test_what_the_cpp_step_covers():
-    """One float model on a CPU, made for decoding; not --int8's layers, an ensemble or a
-    model in training (dropout)."""
+    """One model on a CPU made for decoding, its linear layers packed, dense or int8; not an
+    ensemble or a model in training (dropout)."""
     model = random_model(vocab=40, seed=4)
     cpu = torch.device("cpu")
-    assert covers(inference_model(model, cpu, linears="packed"))
-    assert covers(inference_model(model, cpu, linears="dense"))
-    assert not covers(inference_model(model, cpu, linears="int8"))
+    for linears in ("packed", "dense", "int8"):
+        assert covers(inference_model(model, cpu, linears=linears))
     assert not covers(Ensemble([inference_model(model, cpu), inference_model(model, cpu)]))
     assert not covers(model.train())
 
@@ -147,11 +200,13 @@ def test_the_first_use_says_it_builds(monkeypatch, built):
 
 def test_native_asked_where_it_does_not_cover_says_so_once(built):
     said = []
-    model = inference_model(random_model(vocab=40, seed=4), torch.device("cpu"), linears="int8")
+    cpu = torch.device("cpu")
+    model = Ensemble([inference_model(random_model(vocab=40, seed=seed), cpu)
+                      for seed in (4, 5)])
     assert native_decoder(model, said.append) is None and said == []  # auto: quietly eager
     assert native_decoder(model, said.append, asked=True) is None
-    assert said == ["decode: the C++ decoder step covers one float model on a CPU, not an "
-                    "ensemble, --int8 or a GPU yet; decoding with the eager step"]
+    assert said == ["decode: the C++ decoder step covers one model on a CPU, not an ensemble "
+                    "or a GPU yet; decoding with the eager step"]
 
 
 def test_the_cache_directory_is_one_per_torch_cpu_and_source(monkeypatch, tmp_path):
@@ -165,15 +220,16 @@ def test_the_cache_directory_is_one_per_torch_cpu_and_source(monkeypatch, tmp_pa
 @pytest.mark.slow
 def test_decode_native_and_eager_write_the_same_bytes(trained, corpus, built):
     """The command, every line: the C++ step (the default) against the eager one, beam and
-    n-best, greedy, sampling, with several search threads."""
+    n-best, greedy, sampling, --int8, with several search threads."""
     model, _ = trained
     stdin = corpus["val.en"].read_text(encoding="utf-8")
     common = ["decode", "-m", model, "--max-len-b", "8", "--threads", "2"]
-    for options in (["--nbest", "2"], ["--beam", "1"], ["--sample", "--seed", "3"]):
+    for options in (["--nbest", "2"], ["--beam", "1"], ["--sample", "--seed", "3"],
+                    ["--int8"]):
         native = run_attn(*common, *options, stdin=stdin)
         eager = run_attn(*common, *options, "--step", "eager", stdin=stdin)
         assert native.returncode == eager.returncode == 0, native.stderr
         assert native.stdout == eager.stdout and native.stdout.count("\n") >= stdin.count("\n")
         assert "C++" not in native.stderr  # built: nothing to say
-    asked = run_attn(*common, "--int8", "--step", "native", stdin="a man\n")
-    assert asked.returncode == 0 and "--int8" in asked.stderr
+    asked = run_attn(*common, "-m", model, "--step", "native", stdin="a man\n")  # an ensemble
+    assert asked.returncode == 0 and "not an ensemble" in asked.stderr

@@ -16,7 +16,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <set>
 #include <optional>
 #include <string>
 #include <utility>
@@ -40,17 +43,30 @@ Tensor packed_linear(const Tensor& x, const Tensor& weight, const std::optional<
                  c10::string_view(""));
 }
 
-// A linear layer as the model holds it: packed (devices.PackedLinear, its activation fused) or
-// dense (nn.Linear, the activation, if any, applied after it as FeedForward does).
+// torch's dynamic int8 linear (devices.int8_linears: torch.ao's quantized dynamic Linear):
+// the input quantized by its own range, int8 weights packed with their bias in `params`.
+Tensor int8_linear(const Tensor& x, const c10::IValue& params, bool reduce_range) {
+  static auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_dynamic", "");
+  torch::jit::Stack stack{x, params, reduce_range};
+  op.callBoxed(&stack);
+  return stack[0].toTensor().to(x.scalar_type());
+}
+
+// A linear layer as the model holds it: packed (devices.PackedLinear, its activation fused),
+// dense (nn.Linear) or int8 (--int8), the activation of the last two, if any, applied after it
+// as FeedForward does.
 struct Linear {
-  bool packed = false;
+  enum Kind { kDense, kPacked, kInt8 } kind = kDense;
   Tensor weight;
   std::optional<Tensor> bias;
   std::string activation = "none";
+  c10::IValue params;  // int8: the packed weight and bias
+  bool reduce_range = true;
 
   Tensor operator()(const Tensor& x) const {
-    if (packed) return packed_linear(x, weight, bias, activation);
-    Tensor y = at::linear(x, weight, bias);
+    if (kind == kPacked) return packed_linear(x, weight, bias, activation);
+    Tensor y = kind == kInt8 ? int8_linear(x, params, reduce_range) : at::linear(x, weight, bias);
     if (activation == "relu") return at::relu(y);
     if (activation == "swish") return at::silu(y);
     return y;
@@ -103,6 +119,41 @@ std::pair<Tensor, Tensor> grow_cache(const Tensor& past, const Tensor& fresh,
   return {grown, buffer};
 }
 
+// model.DecoderCache: the source side per sentence (src_mask, memory_kv: per layer the keys
+// transposed and the values), the self-attention keys and values per hypothesis (self_kv, per
+// layer two), the rows of them the next step continues (self_rows; none: all), the buffers
+// they are views of and the spare pair the next step writes into, and the step.
+struct Cache {
+  Tensor src_mask;
+  std::vector<Tensor> memory_kv, self_kv;
+  std::optional<Tensor> self_rows;
+  std::vector<Tensor> buffers, spare;
+  int64_t step = 0;
+
+  // model.reordered: continue hypothesis rows `rows` of the sentences `sources` (none: the
+  // same); the self-attention rows are gathered by the next step, the source side now.
+  void reorder(const Tensor& rows, const std::optional<Tensor>& sources) {
+    self_rows = self_rows.has_value() ? self_rows->index_select(0, rows) : rows;
+    if (!sources.has_value()) return;
+    for (Tensor& tensor : memory_kv) tensor = tensor.index_select(0, *sources);
+    src_mask = src_mask.index_select(0, *sources);
+  }
+};
+
+// What search.start_search set up for a free search of one batch.
+struct SearchBatch {
+  Tensor src_mask;
+  std::vector<Tensor> memory_kv, self_kv;  // the encoder's pass; empty self-attention caches
+  std::optional<Linear> output;            // a shortlist's projection (none: the model's)
+  std::optional<Tensor> column_ids;        // a shortlist's ids: column c is ids[c]
+  Tensor limits;                           // (B,) each sentence's longest output, EOS included
+  std::vector<int64_t> limit_lengths;      // the lengths at which some sentence reaches it
+  Tensor banned;                           // the columns never chosen
+  Tensor penalties;                        // (L + 1,) float64 length penalties
+  int64_t eos_column, eos_id, bos_id, beam, nbest, stop;
+  double alpha;
+};
+
 class Decoder {
  public:
   Decoder(int64_t heads, int64_t d_k, int64_t d_v, bool pre_norm, Tensor embedding,
@@ -132,10 +183,27 @@ class Decoder {
       const std::vector<Tensor>& memory_kv, const std::vector<Tensor>& self_kv,
       const std::optional<Tensor>& self_rows, const std::vector<Tensor>& spare,
       bool project) const {
-    const size_t count = layers_.size();
-    TORCH_CHECK(memory_kv.size() == 2 * count && self_kv.size() == 2 * count &&
-                    (spare.empty() || spare.size() == 2 * count),
+    TORCH_CHECK(memory_kv.size() == 2 * layers_.size() && self_kv.size() == memory_kv.size() &&
+                    (spare.empty() || spare.size() == memory_kv.size()),
                 "a step takes two cache tensors per decoder layer");
+    Cache cache{src_mask, memory_kv, self_kv, self_rows, {}, spare, 0};
+    Tensor hidden = hidden_step(tokens, position, cache);
+    return {project ? output_(hidden) : hidden, std::move(cache.self_kv),
+            std::move(cache.buffers)};
+  }
+
+  // search.beam_search of one batch, for a free search (no constraint; over the whole
+  // vocabulary or a shortlist's columns, `output` and `column_ids`), every step here: the
+  // same ATen ops as the Python search, in the same order, so the same hypotheses with the
+  // same scores. Returns search.finished_rows's rows, one tensor per step where some finished.
+  std::vector<Tensor> beam_search(const SearchBatch& batch, const Tensor& positions,
+                                  const std::optional<pybind11::function>& cancelled) const;
+
+ private:
+
+  // The decoder's output (N, D) of one step; `cache` grown to match (the lazy reorder applied).
+  Tensor hidden_step(const Tensor& tokens, const Tensor& position, Cache& cache) const {
+    const size_t count = layers_.size();
     Tensor x = at::embedding(embedding_, tokens.unsqueeze(1), pad_id_) * embed_scale_ + position;
     std::vector<Tensor> grown, buffers;
     grown.reserve(2 * count);
@@ -150,20 +218,22 @@ class Decoder {
       Tensor k = parts[1].view({rows, 1, heads_, d_k_}).transpose(1, 2);
       Tensor v = parts[2].view({rows, 1, heads_, d_v_}).transpose(1, 2);
       std::optional<Tensor> spare_k, spare_v;
-      if (!spare.empty()) {
-        spare_k = spare[2 * i];
-        spare_v = spare[2 * i + 1];
+      if (!cache.spare.empty()) {
+        spare_k = cache.spare[2 * i];
+        spare_v = cache.spare[2 * i + 1];
       }
-      auto [keys, key_buffer] = grow_cache(self_kv[2 * i], k, self_rows, spare_k);
-      auto [values, value_buffer] = grow_cache(self_kv[2 * i + 1], v, self_rows, spare_v);
+      auto [keys, key_buffer] = grow_cache(cache.self_kv[2 * i], k, cache.self_rows, spare_k);
+      auto [values, value_buffer] =
+          grow_cache(cache.self_kv[2 * i + 1], v, cache.self_rows, spare_v);
       Tensor context = attention_written_out(q, keys.transpose(-1, -2), values, nullptr);
       x = after(layer, 0, x, layer.self_out(context.transpose(1, 2).reshape({rows, 1, -1})));
       // encoder-decoder attention: the G = N / B beams of a source query it together
       h = pre_norm_ ? layer.norms[1](x) : x;
-      const Tensor& memory_keys_t = memory_kv[2 * i];
+      const Tensor& memory_keys_t = cache.memory_kv[2 * i];
       Tensor queries = layer.cross_q(h).view({memory_keys_t.size(0), -1, heads_, d_k_})
                            .transpose(1, 2);
-      context = attention_written_out(queries, memory_keys_t, memory_kv[2 * i + 1], &src_mask);
+      context = attention_written_out(queries, memory_keys_t, cache.memory_kv[2 * i + 1],
+                                      &cache.src_mask);
       x = after(layer, 1, x, layer.cross_out(context.transpose(1, 2).reshape({rows, 1, -1})));
       // feed-forward
       h = pre_norm_ ? layer.norms[2](x) : x;
@@ -174,8 +244,13 @@ class Decoder {
       buffers.push_back(value_buffer);
     }
     if (final_norm_.has_value()) x = (*final_norm_)(x);
-    Tensor hidden = x.select(1, 0);
-    return {project ? output_(hidden) : hidden, std::move(grown), std::move(buffers)};
+    // what a step before held becomes the spare the next one writes into (DecoderCache)
+    cache.spare = std::move(cache.buffers);
+    cache.buffers = std::move(buffers);
+    cache.self_kv = std::move(grown);
+    cache.self_rows.reset();
+    cache.step += 1;
+    return x.select(1, 0);
   }
 
  private:
@@ -195,6 +270,180 @@ class Decoder {
   Linear output_;
 };
 
+
+// ------------------------------------------------------------------ the search (search.py)
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// search.topk_blocked: the k largest of the last dimension, through the k blocks of 64 whose
+// maxima are largest.
+std::tuple<Tensor, Tensor> topk_blocked(const Tensor& values, int64_t k, int64_t width = 64) {
+  const int64_t size = values.size(-1), blocks = size / width;
+  if (blocks <= 2 * k) {
+    auto [top, indices] = values.topk(k, -1);
+    return {top, indices};
+  }
+  Tensor body = values.slice(-1, 0, blocks * width).unflatten(-1, {blocks, width});
+  Tensor chosen = std::get<1>(body.amax(-1).topk(k, -1));
+  Tensor offsets = at::arange(width, values.options().dtype(at::kLong));
+  Tensor columns = (chosen.unsqueeze(-1) * width + offsets).flatten(-2);
+  if (blocks * width < size) {
+    Tensor tail = at::arange(blocks * width, size, values.options().dtype(at::kLong));
+    std::vector<int64_t> shape(columns.sizes().begin(), columns.sizes().end() - 1);
+    shape.push_back(-1);
+    columns = at::cat({columns, tail.expand(shape)}, -1);
+  }
+  auto [top, position] = values.gather(-1, columns).topk(k, -1);
+  return {top, columns.gather(-1, position)};
+}
+
+// search.topk_over_beams: the best k extensions of every sentence's live beams.
+std::tuple<Tensor, Tensor, Tensor> topk_over_beams(const Tensor& scores, const Tensor& log_probs,
+                                                   int64_t k) {
+  const int64_t batch = log_probs.size(0), beams = log_probs.size(1), vocab = log_probs.size(2);
+  const int64_t per_beam = std::min(k, vocab);
+  auto [top_log_probs, top_tokens] = topk_blocked(log_probs, per_beam);
+  Tensor candidates = (scores.unsqueeze(-1) + top_log_probs).view({batch, -1});
+  auto [best, flat] = candidates.topk(std::min(k, beams * per_beam), -1);
+  if (best.size(1) < k) {
+    const int64_t missing = k - best.size(1);
+    best = at::cat({best, best.new_full({batch, missing}, -kInf)}, 1);
+    flat = at::cat({flat, flat.slice(1, 0, 1).expand({batch, missing})}, 1);
+  }
+  return {best, at::div(flat, per_beam, "floor"), top_tokens.view({batch, -1}).gather(1, flat)};
+}
+
+// search.true_positions: mask.nonzero() of a 1-d mask holding `count` True values, in order.
+Tensor true_positions(const Tensor& mask, int64_t count) {
+  return std::get<1>(at::sort((~mask).to(at::kByte), /*stable=*/true, 0, false))
+      .slice(0, 0, count);
+}
+
+// search.Stop's values, in formats.Stop's order.
+enum StopRule : int64_t { kBound = 0, kPatience = 1, kBestEnds = 2, kLimit = 3 };
+
+std::vector<Tensor> Decoder::beam_search(
+    const SearchBatch& batch, const Tensor& positions,
+    const std::optional<pybind11::function>& cancelled) const {
+  const int64_t sentences = batch.limits.size(0), beam = batch.beam;
+  const auto device = batch.limits.options();
+  Cache cache{batch.src_mask, batch.memory_kv, batch.self_kv, std::nullopt, {}, {}, 0};
+  // search.Finished
+  Tensor top = at::full({sentences, batch.nbest}, -kInf, device.dtype(at::kDouble));
+  Tensor best_ended = at::zeros({sentences}, device.dtype(at::kBool));
+  Tensor ended = at::zeros({sentences}, device.dtype(at::kLong));
+  std::vector<Tensor> finished;
+  // search.Beams.start: one hypothesis per sentence, BOS
+  Tensor scores = at::zeros({sentences, 1}, device.dtype(at::kFloat));
+  Tensor tokens = at::full({sentences, 1}, batch.bos_id, device.dtype(at::kLong));
+  Tensor history = at::empty({sentences, 1, 0}, device.dtype(at::kLong));
+  Tensor active = at::arange(sentences, device.dtype(at::kLong));
+  // search.CalledOff
+  std::set<int64_t> named;
+  std::optional<Tensor> called_off;
+  const int64_t longest =
+      *std::max_element(batch.limit_lengths.begin(), batch.limit_lengths.end());
+  for (int64_t step = 0; step < longest; ++step) {
+    Tensor hidden = hidden_step(tokens.view(-1), positions.narrow(0, step, 1), cache);
+    Tensor logits = batch.output.has_value() ? (*batch.output)(hidden) : output_(hidden);
+    // Setup.log_probs
+    Tensor log_probs = at::log_softmax(logits.to(at::kFloat), -1)
+                           .index_fill_(-1, batch.banned, -kInf)
+                           .view({scores.size(0), scores.size(1), -1});
+    Tensor limit = batch.limits.index({active});
+    Tensor at_limit = limit.le(step + 1);
+    if (std::find(batch.limit_lengths.begin(), batch.limit_lengths.end(), step + 1) !=
+        batch.limit_lengths.end()) {  // search.only_eos_at_limit
+      Tensor eos = log_probs.select(-1, batch.eos_column).clone();
+      log_probs.masked_fill_(at_limit.unsqueeze(-1).unsqueeze(-1), -kInf);
+      log_probs.select(-1, batch.eos_column).copy_(eos);
+    }
+    auto [best, origin, picked] = topk_over_beams(scores, log_probs, 2 * beam);
+    Tensor chosen_tokens = batch.column_ids.has_value() ? batch.column_ids->index({picked})
+                                                        : picked;
+    Tensor ends = chosen_tokens.eq(batch.eos_id);
+    // search.Finished.collect
+    Tensor penalty = batch.penalties.select(0, history.size(2) + 1);
+    Tensor first = best.slice(1, 0, beam);
+    Tensor ending = ends.slice(1, 0, beam) & first.gt(-kInf);
+    Tensor ending_scores = (first.to(at::kDouble) / penalty).masked_fill(~ending, -kInf);
+    Tensor sentence_top = top.index({active});
+    top.index_put_({active},
+                   std::get<0>(at::cat({sentence_top, ending_scores}, 1).topk(batch.nbest, 1)));
+    Tensor ended_best = best_ended.index({active});
+    ended_best.bitwise_or_(ending.select(1, 0));
+    best_ended.index_put_({active}, ended_best);
+    Tensor ended_count = ended.index({active});
+    ended_count.add_(ending.sum(1));
+    ended.index_put_({active}, ended_count);
+    Tensor finishing = ending_scores > sentence_top.slice(1, -1);
+    // search.first_not_ending, the live scores, search.sentences_done
+    Tensor chosen = std::get<1>(at::sort(ends.to(at::kByte), true, 1, false)).slice(1, 0, beam);
+    scores = best.gather(1, chosen);
+    Tensor kth_best = top.select(1, -1).to(at::kFloat).index({active});
+    Tensor live_best = scores.select(1, 0);
+    Tensor done = live_best.eq(-kInf);
+    if (beam == 1) {
+      done = done | kth_best.gt(-kInf);
+    } else if (batch.stop == kBound) {  // search.can_stop
+      Tensor penalty_at_limit = at::pow(at::div(at::add(limit, 5.0), 6.0), batch.alpha);
+      done = done | (live_best / penalty_at_limit).le(kth_best);
+    } else if (batch.stop == kPatience) {
+      done = done | ended.index({active}).ge(beam);
+    } else if (batch.stop == kBestEnds) {
+      done = done | (best_ended.index({active}) & kth_best.gt(-kInf));
+    }
+    if (cancelled.has_value()) {  // search.CalledOff.rows
+      std::vector<int64_t> now;
+      {
+        pybind11::gil_scoped_acquire gil;
+        for (auto item : (*cancelled)()) now.push_back(item.cast<int64_t>());
+      }
+      for (int64_t sentence : now) {
+        if (named.count(sentence)) continue;
+        if (!called_off.has_value()) called_off = at::zeros({sentences}, device.dtype(at::kBool));
+        called_off->select(0, sentence).fill_(true);
+        named.insert(sentence);
+      }
+      if (called_off.has_value()) done = done | called_off->index({active});
+    }
+    const int64_t finishing_count = finishing.sum().item<int64_t>();
+    Tensor going_on = ~done;
+    const int64_t kept_count = going_on.sum().item<int64_t>();
+    if (finishing_count > 0) {  // search.Finished.keep
+      Tensor where = true_positions(finishing.flatten(), finishing_count);
+      Tensor rows = at::div(where, beam, "floor"), ranks = at::remainder(where, beam);
+      Tensor log_prob = best.index({rows, ranks}).to(at::kDouble);
+      Tensor hypothesis_scores = log_prob / penalty;
+      Tensor histories = history.index({rows, origin.index({rows, ranks})});
+      finished.push_back(at::cat({active.index({rows}).unsqueeze(1).to(at::kDouble),
+                                  log_prob.unsqueeze(1).to(at::kDouble),
+                                  hypothesis_scores.unsqueeze(1).to(at::kDouble),
+                                  histories.to(at::kDouble)},
+                                 1));
+    }
+    if (kept_count == 0) break;
+    // search.Beams.advance
+    Tensor parents = origin.gather(1, chosen);
+    Tensor next_tokens = chosen_tokens.gather(1, chosen);
+    const int64_t cached_per_sentence = tokens.size(1);  // 1 after BOS, then K
+    std::optional<Tensor> kept;
+    Tensor rows = at::arange(scores.size(0), device.dtype(at::kLong));
+    if (kept_count != done.size(0)) {
+      kept = true_positions(going_on, kept_count);
+      rows = *kept;
+      scores = scores.index({*kept});
+      parents = parents.index({*kept});
+      next_tokens = next_tokens.index({*kept});
+      active = active.index({*kept});
+    }
+    history = at::cat({history.index({rows.unsqueeze(-1), parents}), next_tokens.unsqueeze(-1)},
+                      -1);
+    tokens = next_tokens;
+    cache.reorder((rows.unsqueeze(-1) * cached_per_sentence + parents).view(-1), kept);
+  }
+  return finished;
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -202,9 +451,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   py::class_<Linear>(module, "Linear")
       .def(py::init([](bool packed, Tensor weight, std::optional<Tensor> bias,
                        std::string activation) {
-             return Linear{packed, std::move(weight), std::move(bias), std::move(activation)};
+             return Linear{packed ? Linear::kPacked : Linear::kDense, std::move(weight),
+                           std::move(bias), std::move(activation)};
            }),
            py::arg("packed"), py::arg("weight"), py::arg("bias"), py::arg("activation"))
+      .def_static(
+          "int8",
+          [](Tensor weight, std::optional<Tensor> bias, bool reduce_range,
+             std::string activation) {
+            // packed again here from the layer's int8 weight and bias (the same packing
+            // torch's layer holds, made by the same op)
+            static auto prepack =
+                c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_prepack", "");
+            torch::jit::Stack stack{weight, bias};
+            prepack.callBoxed(&stack);
+            Linear linear;
+            linear.kind = Linear::kInt8;
+            linear.params = stack[0];
+            linear.reduce_range = reduce_range;
+            linear.activation = std::move(activation);
+            return linear;
+          },
+          py::arg("weight"), py::arg("bias"), py::arg("reduce_range"), py::arg("activation"))
       .def("__call__", &Linear::operator(), py::call_guard<py::gil_scoped_release>());
   py::class_<Norm>(module, "Norm")
       .def(py::init([](Tensor weight, Tensor bias, double eps) {
@@ -217,5 +485,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
            py::arg("heads"), py::arg("d_k"), py::arg("d_v"), py::arg("pre_norm"),
            py::arg("embedding"), py::arg("embed_scale"), py::arg("pad_id"), py::arg("linears"),
            py::arg("norms"), py::arg("final_norm"), py::arg("output"))
-      .def("step", &Decoder::step, py::call_guard<py::gil_scoped_release>());
+      .def("step", &Decoder::step, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "beam_search",
+          [](const Decoder& decoder, Tensor src_mask, std::vector<Tensor> memory_kv,
+             std::vector<Tensor> self_kv, std::optional<Linear> output,
+             std::optional<Tensor> column_ids, Tensor limits, std::vector<int64_t> limit_lengths,
+             Tensor banned, Tensor penalties, int64_t eos_column, int64_t eos_id, int64_t bos_id,
+             int64_t beam, int64_t nbest, int64_t stop, double alpha, Tensor positions,
+             std::optional<py::function> cancelled) {
+            SearchBatch batch{std::move(src_mask), std::move(memory_kv), std::move(self_kv),
+                              std::move(output), std::move(column_ids), std::move(limits),
+                              std::move(limit_lengths), std::move(banned), std::move(penalties),
+                              eos_column, eos_id, bos_id, beam, nbest, stop, alpha};
+            py::gil_scoped_release released;
+            return decoder.beam_search(batch, positions, cancelled);
+          },
+          py::arg("src_mask"), py::arg("memory_kv"), py::arg("self_kv"), py::arg("output"),
+          py::arg("column_ids"), py::arg("limits"), py::arg("limit_lengths"), py::arg("banned"),
+          py::arg("penalties"), py::arg("eos_column"), py::arg("eos_id"), py::arg("bos_id"),
+          py::arg("beam"), py::arg("nbest"), py::arg("stop"), py::arg("alpha"),
+          py::arg("positions"), py::arg("cancelled"));
 }
