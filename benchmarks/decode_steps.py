@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -46,11 +47,12 @@ def main() -> None:
     torch.set_num_threads(1)
     loaded = load_model(args.model)
     model = inference_model(loaded.model, torch.device("cpu"), "fp32", "packed")
-    native = native_decoder(model, lambda line: print(line, flush=True))
+    native = native_decoder(model, lambda line: print(line, file=sys.stderr, flush=True))
     if native is None:
         raise SystemExit("the C++ step is not at hand (see the line above)")
     cpu_name, isa = cpu_info()
-    print(f"{cpu_name} ({isa}), 1 thread, {args.cached} positions cached", flush=True)
+    print(f"{cpu_name} ({isa}), 1 thread, {args.cached} positions cached", file=sys.stderr,
+          flush=True)
     report = {"model": args.model, "cpu": cpu_name, "isa": isa, "cached": args.cached,
               "rows": {}}
     config = model.config
@@ -80,7 +82,8 @@ def main() -> None:
                   f"{medians['native']:.2f} ms ({medians['eager'] / medians['native']:.2f}x); "
                   f"linears {medians['linears']:.2f} ms; the rest eager "
                   f"{row['eager_rest_ms']:.2f} ms, C++ {row['native_rest_ms']:.2f} ms"
-                  + (f" (review's target <= {target} ms)" if target else ""), flush=True)
+                  + (f" (review's target <= {target} ms)" if target else ""), file=sys.stderr,
+                  flush=True)
     print(json.dumps(report, indent=2))
 
 
