@@ -1,16 +1,18 @@
-// attn's decoder step in C++ (issue 53, stage A): `model.Transformer.decode_step` for a model
-// made for decoding on a CPU (devices.inference_model: oneDNN's packed linear layers, or
-// torch's dense ones), as one call that holds no Python and releases the GIL once.
+// attn's decoder step and free beam search in C++ (issue 53, stage A), for a model made for
+// decoding on a CPU (devices.inference_model: oneDNN's packed linear layers, torch's dense ones,
+// or --int8's): `model.Transformer.decode_step` as one call that holds no Python and releases
+// the GIL, and `search.beam_search` of a batch with no constraint as one call.
 //
-// Every op below is the ATen op the eager step dispatches, with the same arguments, in the same
-// order, so the logits are the eager step's bit for bit (tests/decode/test_native.py holds
-// them equal): embedding, scale and position; per layer the packed QKV projection, the cache
-// grown in one copy into a spare buffer (model.grow_cache), the one-query attention written out
-// as two batched matmuls with the softmax in float32 (model.attention_written_out), the
-// encoder-decoder attention of the G beams of a source together (attend_memory), residual and
-// LayerNorm after each sub-layer (or before it, pre-norm), the feed-forward block, and the
-// output projection. What the eager step pays and this one does not: ~170 Python calls a step
-// (a 3-layer decoder), each parsing its arguments and taking the GIL back.
+// Every op below is the ATen op the Python code dispatches, with the same arguments, in the same
+// order, so the logits are the eager step's and the hypotheses the Python search's, bit for bit
+// (tests/decode/test_native.py holds them equal). The step: embedding, scale and position; per
+// layer the QKV projection, the cache grown in one copy into a spare buffer (model.grow_cache),
+// the one-query attention written out as two batched matmuls with the softmax in float32
+// (model.attention_written_out), the encoder-decoder attention of the G beams of a source
+// together (attend_memory), residual and LayerNorm after each sub-layer (or before it,
+// pre-norm), the feed-forward block, and the output projection. What the Python code pays and
+// this does not: ~170 Python calls a decoder step (3 layers) and ~100 a search step, each
+// parsing its arguments and taking the GIL back.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -19,8 +21,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <set>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -322,127 +324,176 @@ Tensor true_positions(const Tensor& mask, int64_t count) {
 // search.Stop's values, in formats.Stop's order.
 enum StopRule : int64_t { kBound = 0, kPatience = 1, kBestEnds = 2, kLimit = 3 };
 
-std::vector<Tensor> Decoder::beam_search(
-    const SearchBatch& batch, const Tensor& positions,
-    const std::optional<pybind11::function>& cancelled) const {
-  const int64_t sentences = batch.limits.size(0), beam = batch.beam;
-  const auto device = batch.limits.options();
-  Cache cache{batch.src_mask, batch.memory_kv, batch.self_kv, std::nullopt, {}, {}, 0};
-  // search.Finished
-  Tensor top = at::full({sentences, batch.nbest}, -kInf, device.dtype(at::kDouble));
-  Tensor best_ended = at::zeros({sentences}, device.dtype(at::kBool));
-  Tensor ended = at::zeros({sentences}, device.dtype(at::kLong));
-  std::vector<Tensor> finished;
-  // search.Beams.start: one hypothesis per sentence, BOS
-  Tensor scores = at::zeros({sentences, 1}, device.dtype(at::kFloat));
-  Tensor tokens = at::full({sentences, 1}, batch.bos_id, device.dtype(at::kLong));
-  Tensor history = at::empty({sentences, 1, 0}, device.dtype(at::kLong));
-  Tensor active = at::arange(sentences, device.dtype(at::kLong));
-  // search.CalledOff
-  std::set<int64_t> named;
-  std::optional<Tensor> called_off;
-  const int64_t longest =
-      *std::max_element(batch.limit_lengths.begin(), batch.limit_lengths.end());
-  for (int64_t step = 0; step < longest; ++step) {
-    Tensor hidden = hidden_step(tokens.view(-1), positions.narrow(0, step, 1), cache);
-    Tensor logits = batch.output.has_value() ? (*batch.output)(hidden) : output_(hidden);
-    // Setup.log_probs
-    Tensor log_probs = at::log_softmax(logits.to(at::kFloat), -1)
-                           .index_fill_(-1, batch.banned, -kInf)
-                           .view({scores.size(0), scores.size(1), -1});
-    Tensor limit = batch.limits.index({active});
-    Tensor at_limit = limit.le(step + 1);
-    if (std::find(batch.limit_lengths.begin(), batch.limit_lengths.end(), step + 1) !=
-        batch.limit_lengths.end()) {  // search.only_eos_at_limit
-      Tensor eos = log_probs.select(-1, batch.eos_column).clone();
-      log_probs.masked_fill_(at_limit.unsqueeze(-1).unsqueeze(-1), -kInf);
-      log_probs.select(-1, batch.eos_column).copy_(eos);
-    }
-    auto [best, origin, picked] = topk_over_beams(scores, log_probs, 2 * beam);
-    Tensor chosen_tokens = batch.column_ids.has_value() ? batch.column_ids->index({picked})
-                                                        : picked;
-    Tensor ends = chosen_tokens.eq(batch.eos_id);
-    // search.Finished.collect
-    Tensor penalty = batch.penalties.select(0, history.size(2) + 1);
+// search.Finished: each sentence's n best scores so far (float64), whether a step's best
+// candidate has ended, how many hypotheses have, and the rows of those kept (finished_rows).
+struct Finished {
+  Tensor top, best_ended, ended;
+  std::vector<Tensor> rows;
+
+  Finished(int64_t sentences, int64_t nbest, const at::TensorOptions& device)
+      : top(at::full({sentences, nbest}, -kInf, device.dtype(at::kDouble))),
+        best_ended(at::zeros({sentences}, device.dtype(at::kBool))),
+        ended(at::zeros({sentences}, device.dtype(at::kLong))) {}
+
+  // Finished.collect: of the first K candidates, those ending that may be among their
+  // sentence's n best (their scores join the n best now).
+  Tensor collect(const Tensor& best, const Tensor& ends, const Tensor& active,
+                 const Tensor& penalty, int64_t beam) {
     Tensor first = best.slice(1, 0, beam);
     Tensor ending = ends.slice(1, 0, beam) & first.gt(-kInf);
-    Tensor ending_scores = (first.to(at::kDouble) / penalty).masked_fill(~ending, -kInf);
+    Tensor scores = (first.to(at::kDouble) / penalty).masked_fill(~ending, -kInf);
     Tensor sentence_top = top.index({active});
     top.index_put_({active},
-                   std::get<0>(at::cat({sentence_top, ending_scores}, 1).topk(batch.nbest, 1)));
-    Tensor ended_best = best_ended.index({active});
-    ended_best.bitwise_or_(ending.select(1, 0));
-    best_ended.index_put_({active}, ended_best);
-    Tensor ended_count = ended.index({active});
-    ended_count.add_(ending.sum(1));
-    ended.index_put_({active}, ended_count);
-    Tensor finishing = ending_scores > sentence_top.slice(1, -1);
-    // search.first_not_ending, the live scores, search.sentences_done
-    Tensor chosen = std::get<1>(at::sort(ends.to(at::kByte), true, 1, false)).slice(1, 0, beam);
-    scores = best.gather(1, chosen);
-    Tensor kth_best = top.select(1, -1).to(at::kFloat).index({active});
-    Tensor live_best = scores.select(1, 0);
-    Tensor done = live_best.eq(-kInf);
-    if (beam == 1) {
-      done = done | kth_best.gt(-kInf);
-    } else if (batch.stop == kBound) {  // search.can_stop
-      Tensor penalty_at_limit = at::pow(at::div(at::add(limit, 5.0), 6.0), batch.alpha);
-      done = done | (live_best / penalty_at_limit).le(kth_best);
-    } else if (batch.stop == kPatience) {
-      done = done | ended.index({active}).ge(beam);
-    } else if (batch.stop == kBestEnds) {
-      done = done | (best_ended.index({active}) & kth_best.gt(-kInf));
-    }
-    if (cancelled.has_value()) {  // search.CalledOff.rows
-      std::vector<int64_t> now;
-      {
-        pybind11::gil_scoped_acquire gil;
-        for (auto item : (*cancelled)()) now.push_back(item.cast<int64_t>());
-      }
-      for (int64_t sentence : now) {
-        if (named.count(sentence)) continue;
-        if (!called_off.has_value()) called_off = at::zeros({sentences}, device.dtype(at::kBool));
-        called_off->select(0, sentence).fill_(true);
-        named.insert(sentence);
-      }
-      if (called_off.has_value()) done = done | called_off->index({active});
-    }
-    const int64_t finishing_count = finishing.sum().item<int64_t>();
-    Tensor going_on = ~done;
-    const int64_t kept_count = going_on.sum().item<int64_t>();
-    if (finishing_count > 0) {  // search.Finished.keep
-      Tensor where = true_positions(finishing.flatten(), finishing_count);
-      Tensor rows = at::div(where, beam, "floor"), ranks = at::remainder(where, beam);
-      Tensor log_prob = best.index({rows, ranks}).to(at::kDouble);
-      Tensor hypothesis_scores = log_prob / penalty;
-      Tensor histories = history.index({rows, origin.index({rows, ranks})});
-      finished.push_back(at::cat({active.index({rows}).unsqueeze(1).to(at::kDouble),
-                                  log_prob.unsqueeze(1).to(at::kDouble),
-                                  hypothesis_scores.unsqueeze(1).to(at::kDouble),
-                                  histories.to(at::kDouble)},
-                                 1));
-    }
-    if (kept_count == 0) break;
-    // search.Beams.advance
-    Tensor parents = origin.gather(1, chosen);
-    Tensor next_tokens = chosen_tokens.gather(1, chosen);
-    const int64_t cached_per_sentence = tokens.size(1);  // 1 after BOS, then K
-    std::optional<Tensor> kept;
-    Tensor rows = at::arange(scores.size(0), device.dtype(at::kLong));
-    if (kept_count != done.size(0)) {
-      kept = true_positions(going_on, kept_count);
-      rows = *kept;
-      scores = scores.index({*kept});
+                   std::get<0>(at::cat({sentence_top, scores}, 1).topk(top.size(1), 1)));
+    Tensor best_ended_now = best_ended.index({active});
+    best_ended_now.bitwise_or_(ending.select(1, 0));
+    best_ended.index_put_({active}, best_ended_now);
+    Tensor ended_now = ended.index({active});
+    ended_now.add_(ending.sum(1));
+    ended.index_put_({active}, ended_now);
+    return scores > sentence_top.slice(1, -1);
+  }
+
+  // Finished.keep: the `count` hypotheses `finishing` (B', K), their rows made now.
+  void keep(const Tensor& finishing, int64_t count, const Tensor& best, const Tensor& origin,
+            const Tensor& active, const Tensor& history, const Tensor& penalty) {
+    if (count == 0) return;
+    const int64_t beam = finishing.size(1);
+    Tensor where = true_positions(finishing.flatten(), count);
+    Tensor rows_of = at::div(where, beam, "floor"), ranks = at::remainder(where, beam);
+    Tensor log_probs = best.index({rows_of, ranks}).to(at::kDouble);
+    Tensor scores = log_probs / penalty;
+    Tensor histories = history.index({rows_of, origin.index({rows_of, ranks})});
+    rows.push_back(at::cat({active.index({rows_of}).unsqueeze(1).to(at::kDouble),
+                            log_probs.unsqueeze(1).to(at::kDouble),
+                            scores.unsqueeze(1).to(at::kDouble), histories.to(at::kDouble)},
+                           1));
+  }
+};
+
+// search.Beams: the live hypotheses, K per sentence still searching (one, BOS, to begin with).
+struct Beams {
+  Tensor scores, tokens, history, active;
+
+  Beams(int64_t sentences, int64_t bos, const at::TensorOptions& device)
+      : scores(at::zeros({sentences, 1}, device.dtype(at::kFloat))),
+        tokens(at::full({sentences, 1}, bos, device.dtype(at::kLong))),
+        history(at::empty({sentences, 1, 0}, device.dtype(at::kLong))),
+        active(at::arange(sentences, device.dtype(at::kLong))) {}
+
+  // Beams.advance: each new beam extends beam `parents` by `next_tokens`, of the sentences
+  // `kept` only (none: all), the decoder's cache reordered to match.
+  void advance(Tensor new_scores, Tensor parents, Tensor next_tokens,
+               const std::optional<Tensor>& kept, Cache& cache) {
+    Tensor rows = kept.has_value() ? *kept
+                                   : at::arange(new_scores.size(0), active.options());
+    if (kept.has_value()) {
+      new_scores = new_scores.index({*kept});
       parents = parents.index({*kept});
       next_tokens = next_tokens.index({*kept});
       active = active.index({*kept});
     }
     history = at::cat({history.index({rows.unsqueeze(-1), parents}), next_tokens.unsqueeze(-1)},
                       -1);
-    tokens = next_tokens;
+    const int64_t cached_per_sentence = scores.size(1);  // 1 after BOS, then K
     cache.reorder((rows.unsqueeze(-1) * cached_per_sentence + parents).view(-1), kept);
+    scores = std::move(new_scores);
+    tokens = std::move(next_tokens);
   }
-  return finished;
+};
+
+// search.CalledOff: the sentences whose search is called off, named by `cancelled()` (asked,
+// the GIL taken, before each step's read), as a mask made at the first one named.
+struct CalledOff {
+  // a reference, not a copy: copying a Python object takes the GIL, which the search holds not
+  const std::optional<pybind11::function>& cancelled;
+  int64_t sentences;
+  std::set<int64_t> named;
+  std::optional<Tensor> mask;
+
+  std::optional<Tensor> rows(const Tensor& active) {
+    if (!cancelled.has_value()) return std::nullopt;
+    std::vector<int64_t> now;
+    {
+      pybind11::gil_scoped_acquire gil;
+      for (auto item : (*cancelled)()) now.push_back(item.cast<int64_t>());
+    }
+    for (int64_t sentence : now) {
+      if (!named.insert(sentence).second) continue;
+      if (!mask.has_value()) mask = at::zeros({sentences}, active.options().dtype(at::kBool));
+      mask->select(0, sentence).fill_(true);
+    }
+    if (!mask.has_value()) return std::nullopt;
+    return mask->index({active});
+  }
+};
+
+// search.sentences_done: whether each sentence's search is over.
+Tensor sentences_done(const Tensor& scores, const Tensor& kth_best, const Tensor& limit,
+                      double alpha, int64_t beam, int64_t stop, const Tensor& best_ended,
+                      const Tensor& ended) {
+  Tensor live_best = scores.select(1, 0);
+  Tensor done = live_best.eq(-kInf);
+  if (beam == 1) return done | kth_best.gt(-kInf);
+  if (stop == kBound) {  // search.can_stop, its length_penalty of the longest output
+    Tensor penalty = at::pow(at::div(at::add(limit, 5.0), 6.0), alpha);
+    return done | (live_best / penalty).le(kth_best);
+  }
+  if (stop == kPatience) return done | ended.ge(beam);
+  if (stop == kBestEnds) return done | (best_ended & kth_best.gt(-kInf));
+  return done;
+}
+
+std::vector<Tensor> Decoder::beam_search(
+    const SearchBatch& batch, const Tensor& positions,
+    const std::optional<pybind11::function>& cancelled) const {
+  const int64_t sentences = batch.limits.size(0), beam = batch.beam;
+  const auto& lengths = batch.limit_lengths;
+  Cache cache{batch.src_mask, batch.memory_kv, batch.self_kv, std::nullopt, {}, {}, 0};
+  Finished finished(sentences, batch.nbest, batch.limits.options());
+  Beams live(sentences, batch.bos_id, batch.limits.options());
+  CalledOff called_off{cancelled, sentences, {}, std::nullopt};
+  const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  for (int64_t step = 0; step < longest; ++step) {
+    Tensor hidden = hidden_step(live.tokens.view(-1), positions.narrow(0, step, 1), cache);
+    Tensor logits = batch.output.has_value() ? (*batch.output)(hidden) : output_(hidden);
+    // Setup.log_probs: the banned columns -inf
+    Tensor log_probs = at::log_softmax(logits.to(at::kFloat), -1)
+                           .index_fill_(-1, batch.banned, -kInf)
+                           .view({live.scores.size(0), live.scores.size(1), -1});
+    Tensor limit = batch.limits.index({live.active});
+    Tensor at_limit = limit.le(step + 1);
+    if (std::find(lengths.begin(), lengths.end(), step + 1) != lengths.end()) {
+      // search.only_eos_at_limit
+      Tensor eos = log_probs.select(-1, batch.eos_column).clone();
+      log_probs.masked_fill_(at_limit.unsqueeze(-1).unsqueeze(-1), -kInf);
+      log_probs.select(-1, batch.eos_column).copy_(eos);
+    }
+    auto [best, origin, picked] = topk_over_beams(live.scores, log_probs, 2 * beam);
+    Tensor tokens = batch.column_ids.has_value() ? batch.column_ids->index({picked}) : picked;
+    Tensor ends = tokens.eq(batch.eos_id);
+    Tensor penalty = batch.penalties.select(0, live.history.size(2) + 1);
+    Tensor finishing = finished.collect(best, ends, live.active, penalty, beam);
+    // search.first_not_ending: the first K candidates not ending live on
+    Tensor chosen = std::get<1>(at::sort(ends.to(at::kByte), true, 1, false)).slice(1, 0, beam);
+    Tensor scores = best.gather(1, chosen);
+    Tensor done = sentences_done(scores, finished.top.select(1, -1).to(at::kFloat)
+                                     .index({live.active}),
+                                 limit, batch.alpha, beam, batch.stop,
+                                 finished.best_ended.index({live.active}),
+                                 finished.ended.index({live.active}));
+    if (auto leaving = called_off.rows(live.active)) done = done | *leaving;
+    // the step's one read: how many finish, how many sentences go on
+    const int64_t finishing_count = finishing.sum().item<int64_t>();
+    Tensor going_on = ~done;
+    const int64_t kept_count = going_on.sum().item<int64_t>();
+    finished.keep(finishing, finishing_count, best, origin, live.active, live.history, penalty);
+    if (kept_count == 0) break;
+    std::optional<Tensor> kept;
+    if (kept_count != done.size(0)) kept = true_positions(going_on, kept_count);
+    live.advance(scores, origin.gather(1, chosen), tokens.gather(1, chosen), kept, cache);
+  }
+  return finished.rows;
 }
 }  // namespace
 
