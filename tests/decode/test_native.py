@@ -115,7 +115,7 @@ FREE_SEARCHES = [{"beam": 4, "nbest": 2}, {"beam": 1}, {"beam": 4, "stop": "pati
                  {"beam": 2, "banned": (0, 2, 5, 9)}]
 
 
-@pytest.mark.parametrize("linears", ["packed", "dense"])
+@pytest.mark.parametrize("linears", ["packed", "dense", "int8"])
 @pytest.mark.parametrize("make", [lambda: random_model(vocab=40, seed=4), pre_norm_model],
                          ids=["post-norm", "pre-norm"])
 def test_the_cpp_free_search_finds_what_the_python_search_finds(built, make, linears):
