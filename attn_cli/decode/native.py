@@ -1,11 +1,13 @@
-"""The decoder step in C++ (`native/step.cpp`): `Transformer.decode_step` as one call.
+"""The decoder step and the free beam search in C++ (`native/step.cpp`).
 
-A step of the eager decoder is ~170 torch ops for a 3-layer model, each a Python call that parses
-its arguments, dispatches and takes the GIL back; on a small model at small batches that is as
-much time as the matrix products (benchmarks/README.md, `decode_speed.py`). `NativeDecoder` runs
-the same ops, with the same arguments in the same order, from C++: one Python call a step, the
-GIL released for all of it (other search threads run meanwhile), and the logits the eager step's
-bit for bit. The search, the encoder and everything else stay as they are.
+A step of the eager decoder is ~170 torch ops for a 3-layer model and a step of the search ~100,
+each a Python call that parses its arguments, dispatches and takes the GIL back; on a small model
+at small batches that is a large share of decoding (benchmarks/README.md, `decode_steps.py`).
+`NativeDecoder` runs the same ops, with the same arguments in the same order, from C++, the GIL
+released (other search threads run meanwhile): `decode_step` in one call (the logits the eager
+step's bit for bit), and a search with no constraint whole in one call (`free_search`: the
+hypotheses the Python search's bit for bit). Constrained searches and sampling keep the Python
+search over the C++ step; the encoder stays as it is.
 
 The extension is compiled at first use by torch's `cpp_extension` (a C++ compiler and ninja),
 once per torch version and CPU instruction set, into attn's cache directory
