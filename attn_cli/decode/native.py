@@ -23,6 +23,7 @@ import functools
 import hashlib
 import os
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -61,16 +62,25 @@ def is_built() -> bool:
 def extension():
     """The compiled module (built here the first time), or why it is not at hand: a string,
     for the one line the caller prints."""
+    path = os.environ.get("PATH")
     try:
         from torch.utils import cpp_extension
 
         directory = cache_directory()
         directory.mkdir(parents=True, exist_ok=True)
+        # ninja as pip installs it (a dependency) sits beside the interpreter, which a venv's
+        # python run by its path does not put on PATH
+        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path or ""])
         return cpp_extension.load(name=NAME, sources=[str(SOURCE)],
                                   build_directory=str(directory), extra_cflags=["-O2"],
                                   verbose=False)
     except Exception as error:  # no compiler, no ninja, headers missing: the eager step then
         return build_failure(error)
+    finally:
+        if path is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = path
 
 
 def build_failure(error: Exception) -> str:
