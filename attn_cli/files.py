@@ -259,3 +259,9 @@ def read_metrics(path: str | os.PathLike) -> tuple[list[dict], str | None]:
             raise AttnError(f"{path}:{number}: not a metrics row ({error})") from None
         rows.append(row)
     return rows, torn
+
+
+def attn_cache(name: str) -> Path:
+    """attn's folder `name` in the user's cache (`$XDG_CACHE_HOME/attn`, else `~/.cache/attn`):
+    what is built once and kept (the C++ decoder step, inductor's compiled code)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attn" / name

@@ -348,14 +348,14 @@ def beam_search(model: SearchModel, src_tokens: Tensor, beam: int = TRANSLATION.
     batch, device, nbest = src_tokens.shape[0], src_tokens.device, min(nbest, beam)
     setup = start_search(model, src_tokens, max_len_a, max_len_b, longest, banned, constraint,
                          output_ids, cancelled)
-    # The lengths at which some sentence reaches its limit: only at those steps can a row be
-    # at its limit, so only then is there anything to do about it.
-    if getattr(model, "free_search", None) is not None and setup.spread is None \
+    if getattr(model, "free_search", None) is not None \
             and type(setup.constraint) in (Unconstrained, ShortlistColumns):
         # A free search the model runs whole, every step in one call (decode/native.py)
         penalties = length_penalties(max(setup.limit_lengths), alpha, device)
         return best_hypotheses(model.free_search(setup, penalties, beam, alpha, nbest, stop),
                                batch, nbest)
+    # The lengths at which some sentence reaches its limit: only at those steps can a row be
+    # at its limit, so only then is there anything to do about it.
     limits, limit_lengths, cache = setup.limits, setup.limit_lengths, setup.cache
     constraint, called_off = setup.constraint, setup.called_off
     finished = Finished(batch, nbest, length_penalties(max(limit_lengths), alpha, device))

@@ -41,12 +41,12 @@ import math
 import os
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from ..devices import PackedLinear
+from ..files import attn_cache
 from ..model import Transformer, attention_written_out, reordered
 
 CAPACITY_STEP = 16  # positions a cache grows by: a graph's shapes change this seldom
@@ -88,8 +88,7 @@ def through_custom_op(layer: PackedLinear) -> None:
 def inductor_cache_dir() -> None:
     """Inductor's on-disk cache in attn's cache directory, unless the user chose one."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(base, "attn", "inductor"))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(attn_cache("inductor"))
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ..devices import PackedFeedForward, PackedLinear
+from ..files import attn_cache
 from ..formats import Stop
 from ..model import DecoderCache, FeedForward, Transformer
 from ..search import ShortlistColumns
@@ -43,10 +44,7 @@ def cache_directory() -> Path:
     set and source (the compiled code is good for those only; two checkouts of different
     sources never rebuild over each other)."""
     chosen = os.environ.get("ATTN_NATIVE_DIR")
-    if chosen:
-        base = Path(chosen)
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attn" / "native"
+    base = Path(chosen) if chosen else attn_cache("native")
     isa = torch.backends.cpu.get_cpu_capability().lower()
     version = torch.__version__.replace("+", "-")
     source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
