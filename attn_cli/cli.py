@@ -136,10 +136,11 @@ CompileOption = Annotated[CompileMode, typer.Option(
 StepMode = _choices("StepMode", STEP_MODES)
 StepOption = Annotated[StepMode, typer.Option(
     "--step", help="What runs each decoder step on a CPU. auto: attn's C++ step (one call a "
-    "step, the same outputs bit for bit; built once per torch version and CPU at first use, "
-    "~1 minute) where it covers the model (one model on a CPU, --int8 too; not an ensemble "
-    "yet), "
-    "else the eager one. native: the same, with one line where it cannot. eager: torch's ops "
+    "step; built once per torch version and CPU at first use, ~1 minute) where it covers the "
+    "model (one model on a CPU, --int8 too; not an ensemble yet), else the eager one; in "
+    "float32 with fused kernels, equal to the eager step to float rounding (a line may differ "
+    "where two hypotheses tie). native: the same, with one line where it cannot. aten: the C++ "
+    "step calling torch's own ops, the eager step's outputs bit for bit. eager: torch's ops "
     "from Python.")]
 ThreadsOption = Annotated[int, typer.Option("--threads", min=0,
                                             help="CPU threads (0: all cores).")]

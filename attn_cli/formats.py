@@ -151,9 +151,10 @@ WORD_SCORES = ("given", "joint")
 # was no faster, and compiling it takes 6-30 s a run; benchmarks/README.md).
 COMPILE_MODES = ("off", "on", "auto")
 # `--step`: what runs a decoder step on a CPU: auto (the C++ step where it covers the model and
-# builds, else the eager one), native (the same, saying so where it cannot), eager (torch's ops
-# from Python, model.Transformer.decode_step).
-STEP_MODES = ("auto", "native", "eager")
+# builds, else the eager one; float32 models with the fused kernels), native (the same, saying
+# so where it cannot), aten (the C++ step calling torch's ops, the eager step's logits bit for
+# bit), eager (torch's ops from Python, model.Transformer.decode_step).
+STEP_MODES = ("auto", "native", "aten", "eager")
 
 BATCH_TOKENS = 8000  # source tokens × beam held by one search batch (score -m: tokens per batch)
 # ... on a GPU: a search step is a few small kernels per layer, so a batch must hold many

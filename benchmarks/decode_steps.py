@@ -65,23 +65,27 @@ def main() -> None:
             start = model.start_decoding(memory, src_mask)
             cache = start.reorder(torch.arange(sentences).repeat_interleave(rows // sentences))
             tokens = torch.randint(4, config.tgt_vocab_size, (rows,))
+            by_position = native.position_cache(memory, src_mask, args.cached + 1, rows)
             for _ in range(args.cached):
                 _, cache = model.decode_step(tokens, cache)
-            timings = {"eager": [], "native": [], "linears": []}
+                native.fused_step(tokens, by_position)
+            timings = {"eager": [], "native": [], "fused": [], "linears": []}
             for _ in range(args.repeats):
                 for name, stepper in (("eager", model), ("native", native)):
                     timings[name].append(time_steps(stepper, tokens, cache, args.steps))
+                timings["fused"].append(time_fused(native, tokens, by_position, args.steps))
                 timings["linears"].append(time_linears(model, rows, sentences, args.steps))
             medians = {name: statistics.median(values) for name, values in timings.items()}
             row = {**{f"{name}_ms": value for name, value in medians.items()},
-                   "eager_rest_ms": medians["eager"] - medians["linears"],
-                   "native_rest_ms": medians["native"] - medians["linears"]}
+                   **{f"{name}_rest_ms": medians[name] - medians["linears"]
+                      for name in ("eager", "native", "fused")}}
             report["rows"][rows] = row
             target = TARGETS_MS.get(rows)
-            print(f"{rows:>4} rows: step eager {medians['eager']:.2f} ms, C++ "
-                  f"{medians['native']:.2f} ms ({medians['eager'] / medians['native']:.2f}x); "
-                  f"linears {medians['linears']:.2f} ms; the rest eager "
-                  f"{row['eager_rest_ms']:.2f} ms, C++ {row['native_rest_ms']:.2f} ms"
+            print(f"{rows:>4} rows: step eager {medians['eager']:.2f} ms, C++ (ATen) "
+                  f"{medians['native']:.2f} ms, C++ fused {medians['fused']:.2f} ms "
+                  f"({medians['eager'] / medians['fused']:.2f}x eager); linears "
+                  f"{medians['linears']:.2f} ms; the rest: eager {row['eager_rest_ms']:.2f}, "
+                  f"ATen {row['native_rest_ms']:.2f}, fused {row['fused_rest_ms']:.2f} ms"
                   + (f" (review's target <= {target} ms)" if target else ""), file=sys.stderr,
                   flush=True)
     print(json.dumps(report, indent=2))
@@ -93,6 +97,18 @@ def time_steps(stepper, tokens, cache, steps: int) -> float:
     started = time.perf_counter()
     for _ in range(steps):
         stepper.decode_step(tokens, cache)
+    return (time.perf_counter() - started) / steps * 1000
+
+
+def time_fused(native, tokens, by_position, steps: int) -> float:
+    """Milliseconds a fused step (stage B), each at the same position of the same cache."""
+    cached = by_position.length - 1
+    by_position.length = cached
+    native.fused_step(tokens, by_position)  # warm
+    started = time.perf_counter()
+    for _ in range(steps):
+        by_position.length = cached
+        native.fused_step(tokens, by_position)
     return (time.perf_counter() - started) / steps * 1000
 
 

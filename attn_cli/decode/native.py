@@ -36,7 +36,19 @@ from ..model import DecoderCache, FeedForward, Transformer
 from ..search import ShortlistColumns
 
 SOURCE = Path(__file__).with_name("native") / "step.cpp"
+SOURCES = (SOURCE, SOURCE.with_name("kernels.h"))
 NAME = "attn_native_step"
+
+# -O3: GCC vectorises kernels.h's `omp simd` reductions (max, sum, dot) at -O3, not at -O2
+CFLAGS = ("-O3", "-fopenmp-simd")
+# The instruction set the fused kernels (native/kernels.h) are compiled for: the one torch
+# itself runs here (torch.backends.cpu.get_cpu_capability, which ATEN_CPU_CAPABILITY may lower),
+# so that the build, cached under that name, runs on any CPU that name runs on.
+ISA_FLAGS = {
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512dq", "-mavx512bw",
+               "-mavx512vl", "-mprefer-vector-width=512"],
+}
 
 
 def cache_directory() -> Path:
@@ -47,7 +59,8 @@ def cache_directory() -> Path:
     base = Path(chosen) if chosen else attn_cache("native")
     isa = torch.backends.cpu.get_cpu_capability().lower()
     version = torch.__version__.replace("+", "-")
-    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    built_from = b"".join(path.read_bytes() for path in SOURCES) + " ".join(CFLAGS).encode()
+    source = hashlib.sha256(built_from).hexdigest()[:12]
     return base / f"torch-{version}-{platform.machine()}-{isa}-{source}"
 
 
@@ -70,7 +83,8 @@ def extension():
         # python run by its path does not put on PATH
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path or ""])
         return cpp_extension.load(name=NAME, sources=[str(SOURCE)],
-                                  build_directory=str(directory), extra_cflags=["-O2"],
+                                  build_directory=str(directory),
+                                  extra_cflags=[*CFLAGS, *isa_flags()],
                                   verbose=False)
     except Exception as error:  # no compiler, no ninja, headers missing: the eager step then
         return build_failure(error)
@@ -79,6 +93,13 @@ def extension():
             os.environ.pop("PATH", None)
         else:
             os.environ["PATH"] = path
+
+
+def isa_flags() -> list[str]:
+    """The compiler's flags for the instruction set the build is cached under (none for
+    torch's "default", a CPU with neither AVX2 nor AVX-512: the compiler's baseline then)."""
+    isa = torch.backends.cpu.get_cpu_capability().lower()
+    return ISA_FLAGS.get(isa, [])
 
 
 def build_failure(error: Exception) -> str:
@@ -129,8 +150,11 @@ class NativeDecoder:
     (`search.SearchModel`) in place of the model, with the model's own cache
     (`model.DecoderCache`), encoder and shortlist projection."""
 
-    def __init__(self, model: Transformer, native):
+    def __init__(self, model: Transformer, native, fused: bool = True):
         self.model, self.config = model, model.config
+        # stage B's kernels in the free search (float32 models): equal to float rounding
+        self.fused = fused
+        self._positions = model.positions(0, 1)
         config = model.config
         linears, norms = [], []
         for layer in model.decoder_layers:
@@ -194,7 +218,39 @@ class NativeDecoder:
             setup.limits, sorted(setup.limit_lengths), setup.banned, penalties,
             constraint.eos_column, config.eos_id, config.bos_id, beam, nbest,
             STOP_RULES[stop], alpha, self.model.positions(0, longest),
-            setup.called_off.cancelled)
+            setup.called_off.cancelled, self.fused)
+
+    @property
+    def fusable(self) -> bool:
+        """Whether the fused kernels compute this model (float32)."""
+        return self._decoder.fusable
+
+    def stream(self, beam: int, nbest: int, stop: int, alpha: float, banned: Tensor):
+        """A C++ free search sentences join and leave at any step (`stream.Stream` uses it)."""
+        config = self.config
+        return self._native.Stream(self._decoder, beam, nbest, stop, alpha, config.eos_id,
+                                   config.bos_id, config.eos_id, banned, None, None)
+
+    def position_cache(self, memory: Tensor, src_mask: Tensor, positions: int, rows: int):
+        """The fused step's cache (`fused_step`) of a batch's encoder output, with room for
+        `positions` steps of up to `rows` hypotheses; `.reorder(rows, sources=None)` as
+        `DecoderCache.reorder`."""
+        start = self.model.start_decoding(memory, src_mask)
+        config = self.config
+        return self._native.PositionCache(
+            src_mask, [tensor for pair in start.memory_kv for tensor in pair],
+            len(self.model.decoder_layers), config.heads * config.d_k,
+            config.heads * config.d_v, positions, rows)
+
+    def fused_step(self, tokens: Tensor, cache) -> Tensor:
+        """One step of stage B's fused decoder into a `position_cache`: the logits (N, V)."""
+        return self._decoder.fused_step(tokens, self.positions(cache.capacity), cache)
+
+    def positions(self, length: int) -> Tensor:
+        """The position table's first `length` rows (made once, then its slices)."""
+        if self._positions.shape[0] < length:
+            self._positions = self.model.positions(0, length).contiguous()
+        return self._positions[:length]
 
 
 # formats.Stop's rules as step.cpp numbers them
@@ -226,7 +282,8 @@ def leaf_layers(module):
         yield from leaf_layers(child)
 
 
-def native_decoder(model, warn, asked: bool = False) -> "NativeDecoder | None":
+def native_decoder(model, warn, asked: bool = False,
+                   fused: bool = True) -> "NativeDecoder | None":
     """The model's C++ step, or None (the eager step then), with one line to `warn` where the
     extension cannot be built and, `asked` (`--step native`), where it does not cover the
     model. The first use on a machine builds it, saying so."""
@@ -243,7 +300,7 @@ def native_decoder(model, warn, asked: bool = False) -> "NativeDecoder | None":
         warn(f"decode: the C++ decoder step could not be built ({native}); decoding with the "
              "eager step (a C++ compiler and ninja build it)")
         return None
-    return NativeDecoder(model, native)
+    return NativeDecoder(model, native, fused)
 
 
 def main() -> None:

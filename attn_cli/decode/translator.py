@@ -103,7 +103,8 @@ class Translator:
                 return self.model
             from .native import native_decoder
 
-            return native_decoder(self.model, self.warn, asked=step == "native") or self.model
+            return native_decoder(self.model, self.warn, asked=step in ("native", "aten"),
+                                  fused=step != "aten") or self.model
         if isinstance(self.model, Ensemble) or int8 or self.device.type != "cpu":
             self.warn("decode: --compile covers one model on a CPU, not an ensemble, --int8 "
                       "or a GPU yet; decoding eagerly")

@@ -10,6 +10,12 @@ together, and idle workers split what is waiting between them rather than one ta
 A line's output depends only on the line and its settings (the search is independent of the
 batching, as in `attn decode`), so which lines shared a batch never shows in an answer.
 
+Where the translator's search can be (`decode.stream.supported`: attn's C++ step with its fused
+kernels, a free beam search, a line with no controls), a worker's batch is a stream
+(iteration-level batching, `decode.stream.Stream`): lines that arrive while it searches join it
+at the next step, up to the worker's share of the lines in flight and the token budget, and each
+line leaves, answered, at its own last step; a worker never waits for a batch to end or to fill.
+
 The queue holds at most `capacity` lines: a request that does not fit is refused (`QueueFull`,
 the server's 503) instead of memory growing. A job whose client went away, or whose deadline
 passed, is cancelled (`cancel`): its lines still waiting leave the queue at once, unsearched,
@@ -30,6 +36,8 @@ import torch
 
 from ..batching import fits
 from ..decode.controls import NONE
+from ..decode.stream import Stream
+from ..decode.stream import supported as stream_supported
 from ..decode.translator import EMPTY_LINE, Translator
 
 
@@ -174,6 +182,7 @@ class RequestQueue:
     def _work(self) -> None:
         torch.set_num_threads(self.worker_threads)
         last = (0, 0.0)  # this worker's last batch: lines, seconds
+        streams: dict[int, Stream] = {}  # this worker's, one per translator, kept for reuse
         while True:
             batch = self._take(*last)
             if batch is None:
@@ -181,8 +190,117 @@ class RequestQueue:
             if batch and self.on_batch is not None:
                 self.on_batch(len(batch), len(batch) * max(len(line.ids) for line in batch))
             started = time.perf_counter()
-            self._search(batch)
+            if batch and streamable(batch):
+                translator = batch[0].job.translator
+                stream = streams.get(id(translator))
+                if stream is None or stream.translator is not translator:
+                    stream = streams[id(translator)] = Stream(translator)
+                if not self._fly(stream, batch):
+                    del streams[id(translator)]  # a failure may have left it half-way
+            else:
+                self._search(batch)
             last = (len(batch), time.perf_counter() - started)
+
+    def _fly(self, stream: Stream, flying: list[_Line]) -> bool:
+        """Search `flying` (the batch `_take` gave, registered as being searched) as a stream:
+        step by step, each line answered at its own last step, lines waiting admitted between
+        steps (`_admit`), until none is left in flight. A failure fails the jobs of the lines
+        in flight, as `_search`'s does (and returns False)."""
+        translator = flying[0].job.translator
+        try:
+            stream.add(list(flying), [line.ids for line in flying])
+            while flying:
+                for line in flying:
+                    if line.job.cancelled:
+                        stream.call_off(line)
+                ended = stream.step()
+                answers = [(line, None if line.job.cancelled else translator.outputs(found))
+                           for line, found in ended]
+                finished = self._answer(flying, answers)
+                self._hand_back(finished, translator)
+                admitted = self._admit(flying)
+                if admitted:
+                    if self.on_batch is not None:
+                        self.on_batch(len(admitted),
+                                      len(admitted) * max(len(line.ids) for line in admitted))
+                    stream.add(admitted, [line.ids for line in admitted])
+            return True
+        except Exception as error:  # the jobs in flight answer it; the server goes on
+            with self._changed:
+                finished = self._fail(flying, error)
+                flying.clear()
+            self._hand_back(finished, translator)
+            return False
+        finally:
+            with self._changed:
+                self._searching.remove(flying)
+                self._changed.notify_all()
+
+    def _answer(self, flying: list[_Line], answers: list) -> list[Job]:
+        """Lines that left the stream, with their outputs (None: cancelled): out of `flying`,
+        into their jobs; the jobs now complete."""
+        finished = []
+        with self._changed:
+            for line, output in answers:
+                flying.remove(line)
+                job = line.job
+                if job.cancelled or job.error is not None:
+                    continue
+                job.outputs[line.index] = output
+                job.remaining -= 1
+                if job.remaining == 0:
+                    finished.append(job)
+            if answers:
+                self._changed.notify_all()
+        return finished
+
+    def _admit(self, flying: list[_Line]) -> list[_Line]:
+        """Lines waiting that may join the stream `flying` now (the same models and settings,
+        no controls), within the token budget and this worker's share of all the lines in
+        flight and waiting (the other workers' streams take the rest); never waits."""
+        with self._changed:
+            if not self._lines:
+                return []
+            first = flying[0].job
+            alike = [line for line in self._lines if line.job.shares_batches_with(first)
+                     and line.job.controls is None]
+            if not alike:
+                return []
+            in_flight = sum(len(batch) for batch in self._searching)
+            share = math.ceil((in_flight + len(alike)) / self.workers) - len(flying)
+            budget = first.settings.source_budget
+            longest = max(len(line.ids) for line in flying)
+            admitted = []
+            for line in alike:
+                if len(admitted) >= share or not fits(max(longest, len(line.ids)),
+                                                      len(flying) + len(admitted) + 1, budget):
+                    break
+                admitted.append(line)
+                longest = max(longest, len(line.ids))
+            if admitted:
+                chosen = set(map(id, admitted))
+                self._lines = deque(line for line in self._lines if id(line) not in chosen)
+                flying.extend(admitted)
+            return admitted
+
+    def _fail(self, lines: list[_Line], failure: BaseException) -> list[Job]:  # the lock held
+        """Fail the jobs of `lines` (their other lines leave the queue); those now done."""
+        finished = []
+        for job in {line.job: None for line in lines}:
+            if job.error is None and not job.cancelled:
+                job.error = failure
+                self._drop(job)  # its other lines are not searched
+                finished.append(job)
+        self._changed.notify_all()
+        return finished
+
+    @staticmethod
+    def _hand_back(finished: list[Job], translator: Translator) -> None:
+        for job in finished:
+            try:
+                job.done(job)
+            except Exception as error:  # one answer lost, not the worker
+                translator.warn(f"serve: {job.name}: could not hand back its answer: {error}")
 
     def _take(self, last_lines: int, last_seconds: float) -> list[_Line] | None:
         """The next batch: lines with the first waiting line's models and settings, within its
@@ -255,11 +373,7 @@ class RequestQueue:
         with self._changed:
             self._searching.remove(batch)
             if failure is not None:
-                for job in {line.job: None for line in batch}:
-                    if job.error is None and not job.cancelled:
-                        job.error = failure
-                        self._drop(job)  # its other lines are not searched
-                        finished.append(job)
+                finished = self._fail(batch, failure)
             else:
                 for line, output in zip(batch, outputs):
                     job = line.job
@@ -270,11 +384,13 @@ class RequestQueue:
                     if job.remaining == 0 and job.error is None:
                         finished.append(job)
             self._changed.notify_all()
-        for job in finished:
-            try:
-                job.done(job)
-            except Exception as error:  # one answer lost, not the worker
-                translator.warn(f"serve: {job.name}: could not hand back its answer: {error}")
+        self._hand_back(finished, translator)
+
+
+def streamable(batch: list[_Line]) -> bool:
+    """Whether a batch's lines (one translator, one set of settings) can fly in a Stream."""
+    return stream_supported(batch[0].job.translator) and all(
+        line.job.controls is None for line in batch)
 
 
 def called_off(batch: list[_Line]) -> Callable[[], list[int]]:

@@ -1,5 +1,6 @@
 """`--step` (decode/native.py, decode/native/step.cpp): the decoder step in C++, held to the
-eager step bit for bit in every search, and the eager step where it cannot run."""
+eager step bit for bit in every search (`--step aten`), its fused kernels (stage B,
+native/kernels.h) to float rounding, and the eager step where it cannot run."""
 
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def test_the_cpp_step_gives_the_eager_logits_bit_for_bit(built, make, linears):
     too (whose rows depend on the batch: the same batches here)."""
     model = inference_model(make(), torch.device("cpu"), linears=linears)
     expected, eager_logits = searches(model)
-    found, native_logits = searches(NativeDecoder(model, built))
+    found, native_logits = searches(NativeDecoder(model, built, fused=False))
     assert found == expected
     assert len(native_logits) == len(eager_logits) > 100
     assert all(torch.equal(a, b) for a, b in zip(native_logits, eager_logits))
@@ -123,7 +124,7 @@ def test_the_cpp_free_search_finds_what_the_python_search_finds(built, make, lin
     stopping rule, n-best, greedy, a shortlist's columns and banned tokens, the same
     hypotheses with the same scores, bit for bit, as the Python search over the eager step."""
     model = inference_model(make(), torch.device("cpu"), linears=linears)
-    native = NativeDecoder(model, built)
+    native = NativeDecoder(model, built, fused=False)
     native.decode_step = python_loop_taken  # the search is whole in C++: no step from Python
     with torch.inference_mode():
         for options in FREE_SEARCHES:
@@ -131,12 +132,76 @@ def test_the_cpp_free_search_finds_what_the_python_search_finds(built, make, lin
             assert beam_search(native, SOURCES, max_len_b=20, **options) == expected, options
 
 
+@pytest.mark.parametrize("linears", ["packed", "dense", "int8"])
+@pytest.mark.parametrize("make", [lambda: random_model(vocab=40, seed=4), pre_norm_model,
+                                  swish_model], ids=["post-norm", "pre-norm", "swish"])
+def test_the_fused_step_equals_the_eager_step_to_float_rounding(built, make, linears):
+    """Stage B's step (its own cache read through each hypothesis's origin rows, the
+    attentions, residuals and norms as loops): the eager step's logits within float rounding,
+    step after step, through beam reorders and sentences leaving the batch. (--int8's layers
+    quantize each call's input by the batch's range: a rounding difference that moves an input
+    across a quantization step moves the logits by more, and the keys cached then carry it on;
+    there, within 5% of the largest logit: a hypothesis read from a wrong row is off by tens.)"""
+    model = inference_model(make(), torch.device("cpu"), linears=linears)
+    native = NativeDecoder(model, built)
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        memory, src_mask = model.encode(SOURCES)
+        cache = model.start_decoding(memory, src_mask)
+        by_position = native.position_cache(memory, src_mask, 12, 12)
+        tokens, differences = torch.tensor([1, 1, 1]), []
+        for step in range(10):
+            expected, cache = model.decode_step(tokens, cache)
+            found = native.fused_step(tokens, by_position)
+            assert found.shape == expected.shape
+            scale = 1e-4 if linears != "int8" else 5e-2 * expected.abs().max().item()
+            differences.append((found - expected).abs().max().item() / scale)
+            sentences = cache.src_mask.shape[0]
+            if step == 5:  # the middle sentence leaves: each row of the others continues
+                sources = torch.tensor([0, 2])
+                rows = torch.cat([torch.arange(4), torch.arange(8, 12)])
+            else:  # 4 beams per sentence, each continuing some beam of its sentence
+                sources = None
+                per = tokens.numel() // sentences
+                rows = (torch.arange(sentences).repeat_interleave(4) * per
+                        + torch.randint(0, per, (sentences * 4,), generator=generator))
+            cache = cache.reorder(rows, sources)
+            by_position.reorder(rows, sources)
+            tokens = torch.randint(4, 40, (rows.numel(),), generator=generator)
+    assert 0 < max(differences) < 1, differences  # > 0: the fused kernels ran, not ATen's
+
+
+@pytest.mark.parametrize("linears", ["packed", "dense"])
+@pytest.mark.parametrize("make", [lambda: random_model(vocab=40, seed=4), pre_norm_model,
+                                  swish_model], ids=["post-norm", "pre-norm", "swish"])
+def test_the_fused_search_finds_what_the_python_search_finds(built, make, linears):
+    """The free search with stage B's kernels (the fused step; log-softmax, bans, the length
+    limit and the top 2K of each sentence's beams in one pass over the logits): the Python
+    search's hypotheses, their scores within float rounding. (--int8 is left out: each call
+    quantizes its input by the whole batch's range, so a rounding difference can move every
+    row's scale, and its scores then differ by more than rounding, as they do between
+    batchings: docs/decode.md.)"""
+    model = inference_model(make(), torch.device("cpu"), linears=linears)
+    native = NativeDecoder(model, built)
+    native.decode_step = python_loop_taken
+    with torch.inference_mode():
+        for options in FREE_SEARCHES:
+            expected = beam_search(model, SOURCES, max_len_b=20, **options)
+            found = beam_search(native, SOURCES, max_len_b=20, **options)
+            assert [[h.tokens for h in each] for each in found] == \
+                [[h.tokens for h in each] for each in expected], options
+            for ours, theirs in zip(found, expected):
+                for a, b in zip(ours, theirs):
+                    assert a.score == pytest.approx(b.score, abs=1e-4)
+                    assert a.log_prob == pytest.approx(b.log_prob, abs=1e-4)
+
+
 def test_a_sentence_called_off_leaves_the_cpp_search_as_the_python_one(built):
     """`cancelled()` is asked before each step's read, in C++ as in Python: the sentence named
     leaves at the same step, the others find what they would have found."""
     model = inference_model(random_model(vocab=40, seed=4), torch.device("cpu"),
                             linears="packed")
-    native = NativeDecoder(model, built)
+    native = NativeDecoder(model, built, fused=False)
     native.decode_step = python_loop_taken
     found = {}
     for name, stepper in (("eager", model), ("native", native)):
@@ -156,6 +221,27 @@ def test_a_sentence_called_off_leaves_the_cpp_search_as_the_python_one(built):
         alone = beam_search(model, SOURCES[[0, 2]], beam=4, max_len_b=20)
     assert [[h.tokens for h in found["native"][i]] for i in (0, 2)] == \
         [[h.tokens for h in hypotheses] for hypotheses in alone]
+
+
+def test_a_sentence_called_off_leaves_the_fused_search_as_the_python_one(built):
+    model = inference_model(random_model(vocab=40, seed=4), torch.device("cpu"),
+                            linears="packed")
+    native = NativeDecoder(model, built)
+    native.decode_step = python_loop_taken
+    found = {}
+    for name, stepper in (("eager", model), ("fused", native)):
+        asked = []
+
+        def cancelled(asked=asked):
+            asked.append(len(asked))
+            return [1] if len(asked) > 3 else []
+
+        with torch.inference_mode():
+            found[name] = [[h.tokens for h in hypotheses] for hypotheses in beam_search(
+                stepper, SOURCES, beam=4, max_len_b=20, cancelled=cancelled)]
+        found[name + " asked"] = len(asked)
+    assert found["fused"] == found["eager"]
+    assert found["fused asked"] == found["eager asked"] > 4
 
 
 @pytest.mark.skipif(not cpu_has_native_bf16(), reason="bf16 decoding needs a CPU with native "
@@ -219,17 +305,25 @@ def test_the_cache_directory_is_one_per_torch_cpu_and_source(monkeypatch, tmp_pa
 
 @pytest.mark.slow
 def test_decode_native_and_eager_write_the_same_bytes(trained, corpus, built):
-    """The command, every line: the C++ step (the default) against the eager one, beam and
-    n-best, greedy, sampling, --int8, with several search threads."""
+    """The command, every line: the C++ step calling ATen's ops (`--step aten`) against the
+    eager one, beam and n-best, greedy, sampling, --int8, with several search threads, the
+    same bytes; the default (the fused kernels) the same lines but where hypotheses tie."""
     model, _ = trained
     stdin = corpus["val.en"].read_text(encoding="utf-8")
     common = ["decode", "-m", model, "--max-len-b", "8", "--threads", "2"]
     for options in (["--nbest", "2"], ["--beam", "1"], ["--sample", "--seed", "3"],
                     ["--int8"]):
-        native = run_attn(*common, *options, stdin=stdin)
+        aten = run_attn(*common, *options, "--step", "aten", stdin=stdin)
         eager = run_attn(*common, *options, "--step", "eager", stdin=stdin)
-        assert native.returncode == eager.returncode == 0, native.stderr
-        assert native.stdout == eager.stdout and native.stdout.count("\n") >= stdin.count("\n")
-        assert "C++" not in native.stderr  # built: nothing to say
+        assert aten.returncode == eager.returncode == 0, aten.stderr
+        assert aten.stdout == eager.stdout and aten.stdout.count("\n") >= stdin.count("\n")
+        assert "C++" not in aten.stderr  # built: nothing to say
+    for options in (["--nbest", "2"], ["--beam", "1"]):
+        fused = run_attn(*common, *options, stdin=stdin)
+        eager = run_attn(*common, *options, "--step", "eager", stdin=stdin)
+        assert fused.returncode == 0 and "C++" not in fused.stderr, fused.stderr
+        lines, expected = fused.stdout.splitlines(), eager.stdout.splitlines()
+        assert len(lines) == len(expected)
+        assert sum(a == b for a, b in zip(lines, expected)) >= 0.99 * len(expected)
     asked = run_attn(*common, "-m", model, "--step", "native", stdin="a man\n")  # an ensemble
     assert asked.returncode == 0 and "not an ensemble" in asked.stderr

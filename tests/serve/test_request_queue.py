@@ -10,8 +10,9 @@ import threading
 
 import pytest
 
+from attn_cli.decode.stream import Stream
 from attn_cli.decode.translator import load_translator
-from attn_cli.serve.request_queue import Job, QueueFull, RequestQueue
+from attn_cli.serve.request_queue import Job, QueueFull, RequestQueue, streamable
 
 from ..conftest import bundled_lines
 
@@ -93,6 +94,7 @@ def test_a_failing_search_fails_its_requests_and_the_workers_go_on(translator):
         raise RuntimeError("out of something")
 
     broken.search = fail
+    broken.stepped = broken.model  # the eager step: a batch's search, not a stream
     lines = bundled_lines("val.en", 3)
     failing, fine = Job(lines, broken, None), Job(lines, translator, None)
     queue = RequestQueue(workers=1, capacity=100)
@@ -103,6 +105,33 @@ def test_a_failing_search_fails_its_requests_and_the_workers_go_on(translator):
         queue.close()
     assert isinstance(failing.error, RuntimeError)
     assert fine.error is None and texts(fine) == translator.translate(lines)
+
+
+def test_a_failing_stream_fails_its_requests_and_the_workers_go_on(translator, monkeypatch):
+    """A stream's step that raises fails the jobs in flight; the worker makes a new stream
+    for the next ones, which are answered as ever."""
+    assert streamable([type("Line", (), {"job": Job(["a"], translator, None)})()])
+    steps = []
+    real_step = Stream.step
+
+    def step_failing_once(stream):
+        steps.append(stream)
+        if len(steps) == 3:
+            raise RuntimeError("out of something")
+        return real_step(stream)
+
+    monkeypatch.setattr(Stream, "step", step_failing_once)
+    lines = bundled_lines("val.en", 3)
+    failing, fine = Job(lines, translator, None), Job(lines, translator, None)
+    queue = RequestQueue(workers=1, capacity=100)
+    try:
+        submit_and_wait(queue, [failing])
+        submit_and_wait(queue, [fine])
+    finally:
+        queue.close()
+    assert isinstance(failing.error, RuntimeError)
+    assert fine.error is None and texts(fine) == translator.translate(lines)
+    assert steps[0] is steps[2] is not steps[-1]  # a new stream after the failure
 
 
 def test_a_job_s_work_is_its_lines_beams_times_their_longest_outputs(translator):
@@ -173,3 +202,39 @@ def test_requests_with_target_prefixes_share_batches_with_those_without():
         alone = translator.translate_window(text, 1, controls=lines)
         assert texts(job) == [translator.outputs(hypotheses)[0][1] for hypotheses in alone]
     assert texts(jobs[0])[0].startswith("j j") and texts(jobs[0])[2].startswith("a")
+
+
+def test_a_line_arriving_mid_search_joins_it_and_leaves_at_its_own_end(translator,
+                                                                         monkeypatch):
+    """Iteration-level batching: a request that arrives while a worker searches joins its
+    stream at the next step (one worker: no other could take it) and is answered at its own
+    last step, before the long lines it joined end; every answer is what each gets alone."""
+    # every hypothesis searched to its limit (a·|x| + 5): the long lines run 20 steps and more,
+    # the short one 9
+    translator = translator.with_options(stop="limit", max_len_b=5)
+    long_lines = [line for line in bundled_lines("val.en", 200) if len(line) > 80][:6]
+    late = Job(["A dog."], translator, None)
+    order, steps = [], []
+    finished = threading.Semaphore(0)
+    queue = RequestQueue(workers=1, capacity=100)
+    real_step = Stream.step
+
+    def step(stream):
+        steps.append(stream.sentences)
+        if len(steps) == 2:  # the long ones are in flight: the short one arrives
+            queue.submit(late)
+        return real_step(stream)
+
+    monkeypatch.setattr(Stream, "step", step)
+    early = Job(long_lines, translator, None)
+    for job, name in ((early, "early"), (late, "late")):
+        job.done = lambda job, name=name: (order.append(name), finished.release())
+    try:
+        queue.submit(early)
+        assert finished.acquire(timeout=120) and finished.acquire(timeout=120)
+    finally:
+        queue.close()
+    assert order == ["late", "early"]
+    assert max(steps) == len(long_lines) + 1  # the late line flew with the early ones
+    assert texts(early) == translator.translate(long_lines)
+    assert texts(late) == translator.translate(late.lines)

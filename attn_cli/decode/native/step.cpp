@@ -18,6 +18,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -142,6 +144,124 @@ struct Cache {
   }
 };
 
+// The fused step's self-attention keys and values (stage B): per layer (capacity, slots, D)
+// float32, the key and value of position s written once, where they are made, into a slot of
+// position s's block, and never moved; a hypothesis's past is read through its origin, the
+// slot of each of its positions. A beam reorder copies origins (an int a position) where
+// Cache.reorder's next step copies every layer's whole cache.
+struct SlotStore {
+  std::vector<Tensor> keys, values;
+  int64_t capacity = 0, slots = 0;
+
+  SlotStore() = default;
+  SlotStore(int64_t layers, int64_t key_width, int64_t value_width, int64_t positions,
+            int64_t slot_count, const at::TensorOptions& options)
+      : capacity(positions), slots(slot_count) {
+    for (int64_t i = 0; i < layers; ++i) {
+      keys.push_back(at::empty({capacity, slots, key_width}, options.dtype(at::kFloat)));
+      values.push_back(at::empty({capacity, slots, value_width}, options.dtype(at::kFloat)));
+    }
+  }
+
+  // Room for `positions` positions and `slot_count` slots, what is written kept.
+  void reserve(int64_t positions, int64_t slot_count) {
+    if (positions <= capacity && slot_count <= slots) return;
+    const int64_t new_capacity = std::max(capacity, positions + positions / 4);
+    const int64_t new_slots = std::max(slots, slot_count + slot_count / 4);
+    for (auto* tensors : {&keys, &values})
+      for (Tensor& tensor : *tensors) {
+        Tensor grown = at::empty({new_capacity, new_slots, tensor.size(2)}, tensor.options());
+        grown.slice(0, 0, capacity).slice(1, 0, slots).copy_(tensor);
+        tensor = grown;
+      }
+    capacity = new_capacity;
+    slots = new_slots;
+  }
+};
+
+// One row of a fused step as its kernels read it: its position (how many before it), the
+// slot its key and value at that position are written to, its origin (its slots at positions
+// 0..position, the last one `slot`), and its sentence (its place in the step's memory views).
+struct RowView {
+  int64_t position, slot;
+  const int32_t* origin;
+  int64_t sentence;
+};
+
+// A sentence's encoder-decoder keys (transposed, (H, d_k, S)) and values ((H, S, d_v)) in
+// one layer, and its mask (0, or -inf at padding; none: no padding).
+struct MemoryView {
+  const float* keys_t;
+  const float* values;
+  int64_t length;
+  const float* mask;
+};
+
+// The fused step's cache of one batch (beam_search's): a SlotStore in which row r of the
+// step at position t writes slot r (each position's block is written by one step only), the
+// rows' origins, and the source side (memory_kv, src_mask) as Cache's.
+struct PositionCache {
+  Tensor src_mask;
+  std::vector<Tensor> memory_kv;
+  SlotStore store;
+  std::vector<int32_t> origin, spare_origin;  // rows_capacity x capacity
+  int64_t capacity = 0, rows_capacity = 0, length = 0;
+
+  PositionCache(Tensor mask, std::vector<Tensor> memory, int64_t layers, int64_t key_width,
+                int64_t value_width, int64_t positions, int64_t most_rows)
+      : src_mask(std::move(mask)), memory_kv(std::move(memory)),
+        store(layers, key_width, value_width, positions, most_rows, memory_kv.front().options()),
+        capacity(positions), rows_capacity(most_rows) {
+    origin.resize(rows_capacity * capacity);
+    spare_origin.resize(rows_capacity * capacity);
+  }
+
+  // The next step's hypotheses continue rows `rows` (a long tensor) of this one, of the
+  // sentences `sources` (none: the same), as Cache.reorder.
+  void reorder(const Tensor& rows_now, const std::optional<Tensor>& sources) {
+    const int64_t* from = rows_now.data_ptr<int64_t>();
+    const int64_t count = rows_now.numel();
+    TORCH_CHECK(count <= rows_capacity, "more hypotheses than the cache holds");
+    for (int64_t i = 0; i < count; ++i)
+      std::copy_n(origin.data() + from[i] * capacity, length,
+                  spare_origin.data() + i * capacity);
+    std::swap(origin, spare_origin);
+    if (!sources.has_value()) return;
+    for (Tensor& tensor : memory_kv) tensor = tensor.index_select(0, *sources);
+    src_mask = src_mask.index_select(0, *sources);
+  }
+
+  // The views of a step of `rows` rows (G = rows / B per sentence, in order), each row's
+  // origin at this position set to its slot; `memory`: per layer, per sentence.
+  std::vector<RowView> views(int64_t rows, std::vector<MemoryView>& memory) {
+    TORCH_CHECK(rows <= rows_capacity && length < capacity, "the fused step's cache is full");
+    const int64_t sentences = memory_kv.front().size(0), group = rows / sentences;
+    std::vector<RowView> found(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      int32_t* row_origin = origin.data() + r * capacity;
+      row_origin[length] = static_cast<int32_t>(r);
+      found[r] = {length, r, row_origin, r / group};
+    }
+    TORCH_CHECK(src_mask.scalar_type() == at::kFloat && src_mask.stride(3) == 1,
+                "the fused step reads a float32 mask");
+    const float* mask = src_mask.data_ptr<float>();
+    memory.clear();
+    for (size_t layer = 0; layer < memory_kv.size() / 2; ++layer) {
+      const Tensor& keys_t = memory_kv[2 * layer];
+      const Tensor& values = memory_kv[2 * layer + 1];
+      TORCH_CHECK(keys_t.is_contiguous() && values.is_contiguous() &&
+                      keys_t.scalar_type() == at::kFloat,
+                  "the fused step reads contiguous float32 memory");
+      const int64_t source = keys_t.size(3);
+      for (int64_t b = 0; b < sentences; ++b)
+        memory.push_back({keys_t.data_ptr<float>() + b * keys_t.stride(0),
+                          values.data_ptr<float>() + b * values.stride(0), source,
+                          mask + b * src_mask.stride(0)});
+    }
+    return found;
+  }
+};
+
 // What search.start_search set up for a free search of one batch.
 struct SearchBatch {
   Tensor src_mask;
@@ -198,8 +318,11 @@ class Decoder {
   // vocabulary or a shortlist's columns, `output` and `column_ids`), every step here: the
   // same ATen ops as the Python search, in the same order, so the same hypotheses with the
   // same scores. Returns search.finished_rows's rows, one tensor per step where some finished.
+  // `fused`: with stage B's kernels (fused_hidden_step, fused_topk_over_beams) where the
+  // decoder is fusable: the same search, its scores equal to float rounding.
   std::vector<Tensor> beam_search(const SearchBatch& batch, const Tensor& positions,
-                                  const std::optional<pybind11::function>& cancelled) const;
+                                  const std::optional<pybind11::function>& cancelled,
+                                  bool fused) const;
 
  private:
 
@@ -255,7 +378,255 @@ class Decoder {
     return x.select(1, 0);
   }
 
+ public:
+  // fused_hidden_step's logits (the model's output projection): the fused step alone, for
+  // its tests and benchmarks/decode_steps.py.
+  Tensor fused_step(const Tensor& tokens, const Tensor& positions, PositionCache& cache) const {
+    TORCH_CHECK(fusable(), "the fused step computes float32 decoders");
+    return output_(fused_hidden_step(tokens, positions, cache));
+  }
+
+  size_t layer_count() const { return layers_.size(); }
+  int64_t key_width() const { return heads_ * d_k_; }
+  int64_t value_width() const { return heads_ * d_v_; }
+
+  // fused_layers' logits, float32 (N, V): through `output` (a shortlist's projection) or the
+  // model's.
+  Tensor fused_logits(const int64_t* tokens, const std::vector<RowView>& rows,
+                      const std::vector<MemoryView>& memory, int64_t sentences,
+                      SlotStore& store, const Tensor& positions,
+                      const std::optional<Linear>& output) const {
+    Tensor hidden = fused_layers(tokens, rows, memory, sentences, store, positions);
+    Tensor logits = output.has_value() ? (*output)(hidden) : output_(hidden);
+    return logits.to(at::kFloat).contiguous();
+  }
+
+  // Whether the fused step computes this decoder (stage B): float32 weights (its kernels are
+  // float32 loops; bf16 keeps the ATen step).
+  bool fusable() const { return embedding_.scalar_type() == at::kFloat; }
+
+  // hidden_step with stage B's kernels: the same linear layers; the embedding, both
+  // attentions (one query per row and head: scores, softmax and weighted sum in one pass, the
+  // self-attention's past read through each row's origin, the encoder-decoder attention from
+  // its sentence's memory) and each residual with its LayerNorm as loops over rows. Rows may
+  // be at different positions (iteration-level batching: Stream). tokens (N); `memory`: per
+  // layer, per sentence (`sentences` each); `positions`: the position table (P, D).
+  Tensor fused_layers(const int64_t* tokens, const std::vector<RowView>& rows,
+                      const std::vector<MemoryView>& memory, int64_t sentences,
+                      SlotStore& store, const Tensor& positions) const {
+    const int64_t count = static_cast<int64_t>(rows.size()), width = embedding_.size(1);
+    const int64_t q_width = heads_ * d_k_, v_width = heads_ * d_v_;
+    Tensor x = at::empty({count, width}, embedding_.options());
+    {
+      const float* table = embedding_.data_ptr<float>();
+      const float* where = positions.data_ptr<float>();
+      TORCH_CHECK(positions.is_contiguous() && positions.size(1) == width,
+                  "a (P, D) position table");
+      float* out = x.data_ptr<float>();
+      const float scale = static_cast<float>(embed_scale_);
+      for (int64_t r = 0; r < count; ++r) {
+        TORCH_CHECK(rows[r].position < positions.size(0), "a position beyond the table");
+        const float* e = table + tokens[r] * width;
+        const float* p = where + rows[r].position * width;
+        float* o = out + r * width;
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) o[i] = e[i] * scale + p[i];
+      }
+    }
+    Tensor h = pre_norm_ ? at::empty_like(x) : x;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      // self-attention: this step's keys and values written to each row's slot, then read
+      // with every earlier position's through its origin
+      if (pre_norm_) norm_rows(layer.norms[0], x, h);
+      Tensor qkv = layer.qkv(h).contiguous();
+      const float* made = qkv.data_ptr<float>();
+      const int64_t stride = qkv.size(1);
+      float* keys = store.keys[i].data_ptr<float>();
+      float* values = store.values[i].data_ptr<float>();
+      for (int64_t r = 0; r < count; ++r) {
+        const int64_t at = rows[r].position * store.slots + rows[r].slot;
+        std::copy_n(made + r * stride + q_width, q_width, keys + at * q_width);
+        std::copy_n(made + r * stride + 2 * q_width, v_width, values + at * v_width);
+      }
+      Tensor context = at::empty({count, v_width}, x.options());
+      self_attention(made, stride, store, i, rows, context.data_ptr<float>());
+      residual(layer, 0, x, layer.self_out(context));
+      // encoder-decoder attention
+      if (pre_norm_) norm_rows(layer.norms[1], x, h);
+      Tensor queries = layer.cross_q(h).contiguous();
+      context = at::empty({count, v_width}, x.options());
+      cross_attention(queries.data_ptr<float>(), memory.data() + i * sentences, rows,
+                      context.data_ptr<float>());
+      residual(layer, 1, x, layer.cross_out(context));
+      // feed-forward
+      if (pre_norm_) norm_rows(layer.norms[2], x, h);
+      residual(layer, 2, x, layer.outer(layer.inner(h)));
+    }
+    if (final_norm_.has_value()) {
+      Tensor out = at::empty_like(x);
+      norm_rows(*final_norm_, x, out);
+      x = out;
+    }
+    return x;
+  }
+
+  // fused_layers of a batch's step into its PositionCache, which grows by one position.
+  Tensor fused_hidden_step(const Tensor& tokens, const Tensor& positions,
+                           PositionCache& cache) const {
+    std::vector<MemoryView> memory;
+    const std::vector<RowView> rows = cache.views(tokens.size(0), memory);
+    Tensor ids = tokens.to(at::kLong).contiguous();
+    Tensor hidden = fused_layers(ids.data_ptr<int64_t>(), rows, memory,
+                                 cache.memory_kv.front().size(0), cache.store, positions);
+    cache.length += 1;
+    return hidden;
+  }
+
+  // One sentence's part of a step's logits into its search: log_softmax over each of its G
+  // rows (N × V float32, from `rows`), the banned columns -inf (at its limit, every column but
+  // EOS's), each beam's best per_beam = min(k, V) extensions, and the best k of its G ×
+  // per_beam: search.py's Setup.log_probs, only_eos_at_limit and topk_over_beams in one pass
+  // over the logits. Writes best (k), the beams they extend (origin) and their columns
+  // (picked), as topk_over_beams returns them.
+  static void sentence_top_k(const float* rows, int64_t group, int64_t vocab,
+                             const float* scores, const bool* banned, bool at_limit,
+                             int64_t eos_column, int64_t k, float* best, int64_t* origin,
+                             int64_t* picked) {
+    using namespace attn_kernels;
+    const int64_t per_beam = std::min(k, vocab), width = group * per_beam;
+    std::vector<float> candidates(width), top(per_beam);
+    std::vector<int64_t> tokens(width), columns(per_beam), flat(k);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* x = rows + g * vocab;
+      const float shift = row_max(x, vocab);
+      const float log_sum = std::log(sum_exp(x, shift, vocab));
+      if (at_limit) {  // only EOS may end a hypothesis at its limit
+        std::fill(top.begin(), top.end(), kMinusInf);
+        std::fill(columns.begin(), columns.end(), 0);
+        if (banned == nullptr || !banned[eos_column]) top[0] = x[eos_column];
+        columns[0] = eos_column;
+      } else {
+        top_k(x, vocab, per_beam, banned, top.data(), columns.data());
+      }
+      for (int64_t j = 0; j < per_beam; ++j) {
+        candidates[g * per_beam + j] = scores[g] + ((top[j] - shift) - log_sum);
+        tokens[g * per_beam + j] = columns[j];
+      }
+    }
+    top_k(candidates.data(), width, k, nullptr, best, flat.data());
+    for (int64_t j = 0; j < k; ++j) {
+      origin[j] = flat[j] / per_beam;
+      picked[j] = tokens[flat[j]];
+    }
+  }
+
+  // beam_search with stage B's kernels: the fused step, fused_topk_over_beams, and the
+  // search's bookkeeping (Finished, Beams, first_not_ending, sentences_done, as the ATen
+  // search below has them) as loops over a few host arrays instead of ~60 small tensor ops a
+  // step. The same rules in the same order; scores computed as there (float32 sums, float64
+  // penalties), so the same hypotheses but where two tie to float rounding.
+  std::vector<Tensor> fused_beam_search(const SearchBatch& batch, const Tensor& positions,
+                                        const std::optional<pybind11::function>& cancelled)
+      const;
+
  private:
+  // out = norm(x), row by row
+  static void norm_rows(const Norm& norm, const Tensor& x, Tensor& out) {
+    const int64_t rows = x.size(0), width = x.size(1);
+    const float* in = x.data_ptr<float>();
+    float* to = out.data_ptr<float>();
+    const float* weight = norm.weight.data_ptr<float>();
+    const float* bias = norm.bias.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      attn_kernels::layer_norm(in + r * width, weight, bias, static_cast<float>(norm.eps), width,
+                               to + r * width);
+  }
+
+  // x = norm(x + y) (post-norm) or x += y (pre-norm), in place, row by row
+  void residual(const Layer& layer, int index, Tensor& x, const Tensor& y) const {
+    const int64_t rows = x.size(0), width = x.size(1);
+    Tensor sublayer = y.contiguous();
+    float* to = x.data_ptr<float>();
+    const float* add = sublayer.data_ptr<float>();
+    if (pre_norm_) {
+      for (int64_t r = 0; r < rows; ++r) attn_kernels::axpy(1.0f, add + r * width, to + r * width, width);
+      return;
+    }
+    const Norm& norm = layer.norms[index];
+    const float* weight = norm.weight.data_ptr<float>();
+    const float* bias = norm.bias.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      attn_kernels::add_layer_norm(to + r * width, add + r * width, weight, bias,
+                                   static_cast<float>(norm.eps), width);
+  }
+
+  // One query per row and head against its positions 0..position in layer `layer`'s store:
+  // softmax(q k_s / sqrt(d_k)) over s, the softmax in float32, then the sum of the values so
+  // weighted, written to context (rows, H × d_v) heads side by side (the layout the output
+  // projection reads, with no transpose).
+  void self_attention(const float* qkv, int64_t stride, const SlotStore& store, size_t layer,
+                      const std::vector<RowView>& rows, float* context) const {
+    using namespace attn_kernels;
+    const float scale = static_cast<float>(std::pow(static_cast<double>(d_k_), -0.5));
+    const int64_t q_width = heads_ * d_k_, v_width = heads_ * d_v_;
+    const float* keys = store.keys[layer].data_ptr<float>();
+    const float* values = store.values[layer].data_ptr<float>();
+    std::vector<float> scores;
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const int32_t* origin = rows[r].origin;
+      const int64_t length = rows[r].position + 1;
+      scores.resize(length);
+      for (int64_t head = 0; head < heads_; ++head) {
+        const float* q = qkv + r * stride + head * d_k_;
+        for (int64_t s = 0; s < length; ++s) {
+          const float* k = keys + (s * store.slots + origin[s]) * q_width + head * d_k_;
+          scores[s] = dot(q, k, d_k_) * scale;
+        }
+        softmax(scores.data(), length);
+        float* out = context + r * v_width + head * d_v_;
+        std::fill_n(out, d_v_, 0.0f);
+        for (int64_t s = 0; s < length; ++s) {
+          const float* v = values + (s * store.slots + origin[s]) * v_width + head * d_v_;
+          axpy(scores[s], v, out, d_v_);
+        }
+      }
+    }
+  }
+
+  // The encoder-decoder attention: row r's query against its sentence's keys and values
+  // (`memory`, this layer's views by sentence), its mask added to the scores.
+  void cross_attention(const float* queries, const MemoryView* memory,
+                       const std::vector<RowView>& rows, float* context) const {
+    using namespace attn_kernels;
+    const float scale = static_cast<float>(std::pow(static_cast<double>(d_k_), -0.5));
+    const int64_t q_width = heads_ * d_k_, v_width = heads_ * d_v_;
+    std::vector<float> scores;
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const MemoryView& source = memory[rows[r].sentence];
+      const int64_t length = source.length;
+      scores.resize(length);
+      for (int64_t head = 0; head < heads_; ++head) {
+        const float* q = queries + r * q_width + head * d_k_;
+        const float* k = source.keys_t + head * d_k_ * length;
+        std::fill(scores.begin(), scores.end(), 0.0f);
+        for (int64_t d = 0; d < d_k_; ++d) axpy(q[d], k + d * length, scores.data(), length);
+        if (source.mask != nullptr) {
+#pragma omp simd
+          for (int64_t s = 0; s < length; ++s) scores[s] = scores[s] * scale + source.mask[s];
+        } else {
+#pragma omp simd
+          for (int64_t s = 0; s < length; ++s) scores[s] = scores[s] * scale;
+        }
+        softmax(scores.data(), length);
+        float* out = context + r * v_width + head * d_v_;
+        std::fill_n(out, d_v_, 0.0f);
+        const float* v = source.values + head * length * d_v_;
+        for (int64_t s = 0; s < length; ++s) axpy(scores[s], v + s * d_v_, out, d_v_);
+      }
+    }
+  }
+
   // model.Sublayers.after: the residual added, then (post-norm) the norm.
   Tensor after(const Layer& layer, int index, const Tensor& x, const Tensor& output) const {
     Tensor y = x + output;
@@ -382,9 +753,10 @@ struct Beams {
         active(at::arange(sentences, device.dtype(at::kLong))) {}
 
   // Beams.advance: each new beam extends beam `parents` by `next_tokens`, of the sentences
-  // `kept` only (none: all), the decoder's cache reordered to match.
-  void advance(Tensor new_scores, Tensor parents, Tensor next_tokens,
-               const std::optional<Tensor>& kept, Cache& cache) {
+  // `kept` only (none: all). Returns the rows of this step's hypotheses the next one
+  // continues, for the decoder's cache (DecoderCache.reorder).
+  Tensor advance(Tensor new_scores, Tensor parents, Tensor next_tokens,
+                 const std::optional<Tensor>& kept) {
     Tensor rows = kept.has_value() ? *kept
                                    : at::arange(new_scores.size(0), active.options());
     if (kept.has_value()) {
@@ -396,9 +768,9 @@ struct Beams {
     history = at::cat({history.index({rows.unsqueeze(-1), parents}), next_tokens.unsqueeze(-1)},
                       -1);
     const int64_t cached_per_sentence = scores.size(1);  // 1 after BOS, then K
-    cache.reorder((rows.unsqueeze(-1) * cached_per_sentence + parents).view(-1), kept);
     scores = std::move(new_scores);
     tokens = std::move(next_tokens);
+    return (rows.unsqueeze(-1) * cached_per_sentence + parents).view(-1);
   }
 };
 
@@ -446,7 +818,8 @@ Tensor sentences_done(const Tensor& scores, const Tensor& kth_best, const Tensor
 
 std::vector<Tensor> Decoder::beam_search(
     const SearchBatch& batch, const Tensor& positions,
-    const std::optional<pybind11::function>& cancelled) const {
+    const std::optional<pybind11::function>& cancelled, bool fused) const {
+  if (fused && fusable()) return fused_beam_search(batch, positions, cancelled);
   const int64_t sentences = batch.limits.size(0), beam = batch.beam;
   const auto& lengths = batch.limit_lengths;
   Cache cache{batch.src_mask, batch.memory_kv, batch.self_kv, std::nullopt, {}, {}, 0};
@@ -491,9 +864,292 @@ std::vector<Tensor> Decoder::beam_search(
     if (kept_count == 0) break;
     std::optional<Tensor> kept;
     if (kept_count != done.size(0)) kept = true_positions(going_on, kept_count);
-    live.advance(scores, origin.gather(1, chosen), tokens.gather(1, chosen), kept, cache);
+    cache.reorder(live.advance(scores, origin.gather(1, chosen), tokens.gather(1, chosen), kept),
+                  kept);
   }
   return finished.rows;
+}
+
+// ------------------------------------------------- iteration-level batching (issue 53, 2)
+
+// One sentence of a Stream: its hypotheses (G: one, BOS, at first, then K), their scores,
+// last tokens, histories (G × length) and slots' origins (K × limit: the slot of each of
+// their positions); its encoder-decoder memory; search.Finished's part of it (its n best
+// scores, whether a step's best candidate ended, how many ended) and the rows found.
+struct Flight {
+  int64_t key, limit, block;
+  std::vector<Tensor> memory;      // per layer: keys (transposed), values (held for the views)
+  std::vector<MemoryView> views;   // per layer
+  Tensor mask;                     // (S) where its memory is padded
+  int64_t length = 0, group = 1, group_before = 1;
+  std::vector<float> scores;
+  std::vector<int64_t> tokens, history;
+  std::vector<int32_t> origin, spare_origin;
+  std::vector<double> top;
+  bool best_ended = false, called_off = false;
+  int64_t ended = 0;
+  std::vector<Tensor> found;       // search.finished_rows's rows, column 0 the key
+};
+
+// A free beam search that sentences join and leave at any step (iteration-level batching,
+// Orca's and vLLM's scheduling for an encoder-decoder): each step is one fused decoder step
+// of every hypothesis in flight, whatever its position; a sentence added joins at the next
+// step (its memory from an encoder pass of its own batch), and one whose search is over
+// leaves at that step with its rows, the others going on. Each sentence's search is
+// beam_search's for it alone: the same rules (search.py) over its own scores, its rows
+// written to its own slots, so what it finds does not depend on what it flew with.
+class Stream {
+ public:
+  Stream(const Decoder& decoder, int64_t beam, int64_t nbest, int64_t stop, double alpha,
+         int64_t eos_id, int64_t bos_id, int64_t eos_column, Tensor banned,
+         std::optional<Tensor> column_ids, std::optional<Linear> output)
+      : decoder_(decoder), beam_(beam), nbest_(nbest), stop_(stop), alpha_(alpha),
+        eos_id_(eos_id), bos_id_(bos_id), eos_column_(eos_column),
+        banned_ids_(banned.to(at::kLong).contiguous()), output_(std::move(output)) {
+    if (column_ids.has_value()) column_ids_ = column_ids->to(at::kLong).contiguous();
+  }
+
+  // A sentence joins at the next step: `memory`, per layer its encoder-decoder keys
+  // (transposed, (H, d_k, S)) and values ((H, S, d_v)) and, if padded, `mask` (S) (0, or
+  // -inf at padding; undefined: none); `limit`, its longest output, EOS included.
+  void add(int64_t key, std::vector<Tensor> memory, const std::optional<Tensor>& mask,
+           int64_t limit) {
+    Flight flight;
+    flight.key = key;
+    flight.limit = limit;
+    flight.memory = std::move(memory);
+    if (mask.has_value()) flight.mask = mask->to(at::kFloat).contiguous();
+    const float* mask_data = mask.has_value() ? flight.mask.data_ptr<float>() : nullptr;
+    TORCH_CHECK(flight.memory.size() == 2 * decoder_.layer_count(),
+                "a sentence's memory: keys and values for every decoder layer");
+    for (size_t layer = 0; layer < decoder_.layer_count(); ++layer) {
+      const Tensor& keys_t = flight.memory[2 * layer];
+      const Tensor& values = flight.memory[2 * layer + 1];
+      TORCH_CHECK(keys_t.is_contiguous() && values.is_contiguous() &&
+                      keys_t.scalar_type() == at::kFloat && keys_t.dim() == 3 &&
+                      values.scalar_type() == at::kFloat,
+                  "a sentence's memory: contiguous float32 (H, d_k, S) keys and values");
+      flight.views.push_back({keys_t.data_ptr<float>(), values.data_ptr<float>(),
+                              keys_t.size(2), mask_data});
+    }
+    if (free_blocks_.empty()) free_blocks_.push_back(blocks_++);
+    flight.block = free_blocks_.back();
+    free_blocks_.pop_back();
+    flight.scores.assign(1, 0.0f);
+    flight.tokens.assign(1, bos_id_);
+    flight.origin.resize(beam_ * limit);
+    flight.spare_origin.resize(beam_ * limit);
+    flight.top.assign(nbest_, -kInf);
+    longest_ = std::max(longest_, limit);
+    flights_.push_back(std::move(flight));
+  }
+
+  // Call off the sentence `key`: it leaves at the next step with what it found so far.
+  void call_off(int64_t key) {
+    for (Flight& flight : flights_)
+      if (flight.key == key) flight.called_off = true;
+  }
+
+  int64_t sentences() const { return static_cast<int64_t>(flights_.size()); }
+
+  int64_t rows() const {
+    int64_t count = 0;
+    for (const Flight& flight : flights_) count += flight.group;
+    return count;
+  }
+
+  // One step of every sentence in flight (`positions`: the position table, as long as the
+  // longest limit). Returns the sentences whose search ended, each with its rows.
+  std::vector<std::pair<int64_t, std::vector<Tensor>>> step(const Tensor& positions) {
+    std::vector<std::pair<int64_t, std::vector<Tensor>>> ended;
+    if (flights_.empty()) return ended;
+    if (store_.keys.empty()) {
+      store_ = SlotStore(decoder_.layer_count(), decoder_.key_width(), decoder_.value_width(),
+                         longest_, blocks_ * beam_, positions.options());
+    }
+    store_.reserve(longest_, blocks_ * beam_);
+    const Tensor table = positions.to(at::kFloat).contiguous();
+    std::vector<RowView> rows;
+    std::vector<int64_t> tokens;
+    const size_t layers = decoder_.layer_count();
+    std::vector<MemoryView> memory(layers * flights_.size());
+    for (size_t f = 0; f < flights_.size(); ++f) {
+      Flight& flight = flights_[f];
+      for (int64_t g = 0; g < flight.group; ++g) {
+        int32_t* origin = flight.origin.data() + g * flight.limit;
+        const int64_t slot = flight.block * beam_ + g;
+        origin[flight.length] = static_cast<int32_t>(slot);
+        rows.push_back({flight.length, slot, origin, static_cast<int64_t>(f)});
+        tokens.push_back(flight.tokens[g]);
+      }
+      for (size_t layer = 0; layer < layers; ++layer)
+        memory[layer * flights_.size() + f] = flight.views[layer];
+    }
+    Tensor logits = decoder_.fused_logits(tokens.data(), rows, memory,
+                                          static_cast<int64_t>(flights_.size()), store_, table,
+                                          output_);
+    if (banned_.empty()) {
+      banned_.assign(logits.size(1), 0);
+      for (int64_t i = 0; i < banned_ids_.numel(); ++i)
+        banned_[banned_ids_.data_ptr<int64_t>()[i]] = 1;
+    }
+    const float* values = logits.data_ptr<float>();
+    std::vector<Flight> going_on;
+    for (Flight& flight : flights_) {
+      const bool over = advance(flight, values, logits.size(1));
+      values += flight.group_before * logits.size(1);
+      if (over) {
+        free_blocks_.push_back(flight.block);
+        ended.emplace_back(flight.key, std::move(flight.found));
+      } else {
+        going_on.push_back(std::move(flight));
+      }
+    }
+    flights_ = std::move(going_on);
+    return ended;
+  }
+
+ private:
+  // search.py's step for one sentence, its G rows of logits at `rows`: its top 2K
+  // (sentence_top_k), Finished.collect, first_not_ending, sentences_done, Finished.keep and
+  // Beams.advance. Whether its search is over.
+  bool advance(Flight& flight, const float* rows, int64_t vocab) {
+    const int64_t beam = beam_, k = 2 * beam, group = flight.group;
+    flight.group_before = group;
+    std::vector<float> best(k);
+    std::vector<int64_t> origin(k), picked(k);
+    Decoder::sentence_top_k(rows, group, vocab, flight.scores.data(),
+                            reinterpret_cast<const bool*>(banned_.data()),
+                            flight.limit <= flight.length + 1, eos_column_, k, best.data(),
+                            origin.data(), picked.data());
+    if (column_ids_.defined()) {
+      const int64_t* ids = column_ids_.data_ptr<int64_t>();
+      for (int64_t& column : picked) column = ids[column];
+    }
+    const double penalty = std::pow((5.0 + static_cast<double>(flight.length + 1)) / 6.0,
+                                    alpha_);
+    // Finished.collect: of the first K candidates, those ending that may be among the n best
+    const double nth_before = flight.top[nbest_ - 1];
+    std::vector<double> merged(flight.top);
+    std::vector<char> finishing(beam, 0);
+    int64_t ending_count = 0;
+    for (int64_t j = 0; j < beam; ++j) {
+      const bool ending = picked[j] == eos_id_ && best[j] > -kInf;
+      const double score = ending ? static_cast<double>(best[j]) / penalty : -kInf;
+      merged.push_back(score);
+      finishing[j] = score > nth_before;
+      ending_count += ending;
+      if (j == 0 && ending) flight.best_ended = true;
+    }
+    std::partial_sort(merged.begin(), merged.begin() + nbest_, merged.end(),
+                      std::greater<double>());
+    std::copy_n(merged.begin(), nbest_, flight.top.begin());
+    flight.ended += ending_count;
+    // first_not_ending: the first K candidates not ending (then, if fewer, ending ones)
+    std::vector<int64_t> chosen;
+    for (int pass = 0; pass < 2; ++pass)
+      for (int64_t j = 0; j < k && static_cast<int64_t>(chosen.size()) < beam; ++j)
+        if ((picked[j] == eos_id_) == (pass == 1)) chosen.push_back(j);
+    // sentences_done
+    const float live_best = best[chosen[0]];
+    const float kth_best = static_cast<float>(flight.top[nbest_ - 1]);
+    bool over = live_best == -std::numeric_limits<float>::infinity();
+    if (beam == 1) {
+      over = over || kth_best > -kInf;
+    } else if (stop_ == kBound) {  // search.can_stop at the longest output's penalty
+      const float longest_penalty = std::pow((static_cast<float>(flight.limit) + 5.0f) / 6.0f,
+                                             static_cast<float>(alpha_));
+      over = over || live_best / longest_penalty <= kth_best;
+    } else if (stop_ == kPatience) {
+      over = over || flight.ended >= beam;
+    } else if (stop_ == kBestEnds) {
+      over = over || (flight.best_ended && kth_best > -kInf);
+    }
+    over = over || flight.called_off;
+    // Finished.keep: each hypothesis finishing, as (key, log-prob, score, its tokens)
+    int64_t finishing_count = 0;
+    for (char each : finishing) finishing_count += each;
+    const int64_t length = flight.length;
+    if (finishing_count > 0) {
+      Tensor found = at::empty({finishing_count, 3 + length}, at::dtype(at::kDouble));
+      double* row = found.data_ptr<double>();
+      for (int64_t j = 0; j < beam; ++j) {
+        if (!finishing[j]) continue;
+        row[0] = static_cast<double>(flight.key);
+        row[1] = best[j];
+        row[2] = static_cast<double>(best[j]) / penalty;
+        const int64_t* past = flight.history.data() + origin[j] * length;
+        for (int64_t t = 0; t < length; ++t) row[3 + t] = static_cast<double>(past[t]);
+        row += 3 + length;
+      }
+      flight.found.push_back(found);
+    }
+    // the limit reached: search.py's loop ends there (beam_search's `longest`)
+    over = over || flight.length + 1 >= flight.limit;
+    if (over) return true;
+    // Beams.advance: each new beam extends its parent by its token; the origins follow
+    std::vector<float> scores(beam);
+    std::vector<int64_t> tokens(beam), history;
+    history.reserve(beam * (length + 1));
+    for (int64_t j = 0; j < beam; ++j) {
+      const int64_t candidate = chosen[j], parent = origin[candidate];
+      scores[j] = best[candidate];
+      tokens[j] = picked[candidate];
+      const int64_t* past = flight.history.data() + parent * length;
+      history.insert(history.end(), past, past + length);
+      history.push_back(picked[candidate]);
+      std::copy_n(flight.origin.data() + parent * flight.limit, length + 1,
+                  flight.spare_origin.data() + j * flight.limit);
+    }
+    std::swap(flight.origin, flight.spare_origin);
+    flight.scores = std::move(scores);
+    flight.tokens = std::move(tokens);
+    flight.history = std::move(history);
+    flight.group = beam;
+    flight.length += 1;
+    return false;
+  }
+
+  const Decoder& decoder_;
+  int64_t beam_, nbest_, stop_;
+  double alpha_;
+  int64_t eos_id_, bos_id_, eos_column_;
+  Tensor banned_ids_, column_ids_;
+  std::optional<Linear> output_;
+  std::vector<char> banned_;
+  std::vector<Flight> flights_;
+  std::vector<int64_t> free_blocks_;
+  int64_t blocks_ = 0, longest_ = 0;
+  SlotStore store_;
+};
+
+std::vector<Tensor> Decoder::fused_beam_search(
+    const SearchBatch& batch, const Tensor& positions,
+    const std::optional<pybind11::function>& cancelled) const {
+  // a Stream whose sentences all join at the first step, their memory the batch's (padded,
+  // with its mask)
+  const int64_t sentences = batch.limits.size(0);
+  Stream stream(*this, batch.beam, batch.nbest, batch.stop, batch.alpha, batch.eos_id,
+                batch.bos_id, batch.eos_column, batch.banned, batch.column_ids, batch.output);
+  const Tensor limits = batch.limits.to(at::kLong).contiguous();
+  for (int64_t b = 0; b < sentences; ++b) {
+    std::vector<Tensor> memory;
+    for (const Tensor& tensor : batch.memory_kv) memory.push_back(tensor[b]);
+    stream.add(b, std::move(memory), batch.src_mask[b].reshape({-1}),
+               limits.data_ptr<int64_t>()[b]);
+  }
+  std::vector<std::vector<Tensor>> found(sentences);
+  while (stream.sentences() > 0) {
+    if (cancelled.has_value()) {  // search.CalledOff: asked before each step's read
+      pybind11::gil_scoped_acquire gil;
+      for (auto item : (*cancelled)()) stream.call_off(item.cast<int64_t>());
+    }
+    for (auto& [key, rows] : stream.step(positions)) found[key] = std::move(rows);
+  }
+  std::vector<Tensor> rows;
+  for (auto& each : found)
+    for (Tensor& part : each) rows.push_back(std::move(part));
+  return rows;
 }
 }  // namespace
 
@@ -544,17 +1200,50 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              std::optional<Tensor> column_ids, Tensor limits, std::vector<int64_t> limit_lengths,
              Tensor banned, Tensor penalties, int64_t eos_column, int64_t eos_id, int64_t bos_id,
              int64_t beam, int64_t nbest, int64_t stop, double alpha, Tensor positions,
-             std::optional<py::function> cancelled) {
+             std::optional<py::function> cancelled, bool fused) {
             SearchBatch batch{std::move(src_mask), std::move(memory_kv), std::move(self_kv),
                               std::move(output), std::move(column_ids), std::move(limits),
                               std::move(limit_lengths), std::move(banned), std::move(penalties),
                               eos_column, eos_id, bos_id, beam, nbest, stop, alpha};
             py::gil_scoped_release released;
-            return decoder.beam_search(batch, positions, cancelled);
+            return decoder.beam_search(batch, positions, cancelled, fused);
           },
           py::arg("src_mask"), py::arg("memory_kv"), py::arg("self_kv"), py::arg("output"),
           py::arg("column_ids"), py::arg("limits"), py::arg("limit_lengths"), py::arg("banned"),
           py::arg("penalties"), py::arg("eos_column"), py::arg("eos_id"), py::arg("bos_id"),
           py::arg("beam"), py::arg("nbest"), py::arg("stop"), py::arg("alpha"),
-          py::arg("positions"), py::arg("cancelled"));
+          py::arg("positions"), py::arg("cancelled"), py::arg("fused"))
+      .def_property_readonly("fusable", &Decoder::fusable)
+      .def(
+          "fused_step",
+          [](const Decoder& decoder, Tensor tokens, Tensor positions, PositionCache& cache) {
+            return decoder.fused_step(tokens, positions.contiguous(), cache);
+          },
+          py::arg("tokens"), py::arg("positions"), py::arg("cache"),
+          py::call_guard<py::gil_scoped_release>());
+  py::class_<Stream>(module, "Stream")
+      .def(py::init<const Decoder&, int64_t, int64_t, int64_t, double, int64_t, int64_t, int64_t,
+                    Tensor, std::optional<Tensor>, std::optional<Linear>>(),
+           py::arg("decoder"), py::arg("beam"), py::arg("nbest"), py::arg("stop"),
+           py::arg("alpha"), py::arg("eos_id"), py::arg("bos_id"), py::arg("eos_column"),
+           py::arg("banned"), py::arg("column_ids"), py::arg("output"),
+           py::keep_alive<1, 2>())
+      .def("add", &Stream::add, py::arg("key"), py::arg("memory"), py::arg("mask"),
+           py::arg("limit"))
+      .def("call_off", &Stream::call_off, py::arg("key"))
+      .def("sentences", &Stream::sentences)
+      .def("rows", &Stream::rows)
+      .def("step", &Stream::step, py::arg("positions"), py::call_guard<py::gil_scoped_release>());
+  py::class_<PositionCache>(module, "PositionCache")
+      .def(py::init<Tensor, std::vector<Tensor>, int64_t, int64_t, int64_t, int64_t, int64_t>(),
+           py::arg("src_mask"), py::arg("memory_kv"), py::arg("layers"), py::arg("key_width"),
+           py::arg("value_width"), py::arg("positions"), py::arg("rows"))
+      .def(
+          "reorder",
+          [](PositionCache& cache, Tensor rows, std::optional<Tensor> sources) {
+            cache.reorder(rows.to(at::kLong).contiguous(), sources);
+          },
+          py::arg("rows"), py::arg("sources") = std::nullopt)
+      .def_readwrite("length", &PositionCache::length)
+      .def_readonly("capacity", &PositionCache::capacity);
 }

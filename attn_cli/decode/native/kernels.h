@@ -1,0 +1,155 @@
+// The fused kernels of attn's C++ step (issue 53, stage B): plain loops over float32 rows that
+// the compiler vectorises for the CPU the extension is built for (native.py passes the
+// instruction set torch itself runs: AVX2 or AVX-512), each doing in one pass what the eager
+// step does in several ops with a new tensor each. They compute the same formulas as the ops
+// they replace; only the order of float additions differs (a dot product summed in vector
+// lanes, not by MKL's or oneDNN's kernel), so their results equal the ATen step's to float
+// rounding, not bit for bit (tests/decode/test_native.py holds them within 1e-5).
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace attn_kernels {
+
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+// The kernels over whole rows are kept out of line: GCC vectorises an `omp simd` reduction in a
+// function of its own, and inlined into a large caller (or cloned for a constant length) it may
+// not (seen: sum_exp scalar there, row_max scalar in a clone for 64).
+#define ATTN_ROW_KERNEL __attribute__((noinline, noclone)) inline
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// y += a x
+inline void axpy(float a, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+ATTN_ROW_KERNEL float row_max(const float* x, int64_t n) {
+  // 16 running maxima (a vector's lanes), each lane's in order: vectorised as they are, where
+  // an `omp simd` max reduction was left scalar
+  constexpr int64_t kLanes = 16;
+  float lanes[kLanes];
+  std::fill_n(lanes, kLanes, kMinusInf);
+  const int64_t body = n - n % kLanes;
+  for (int64_t i = 0; i < body; i += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) lanes[j] = lanes[j] < x[i + j] ? x[i + j] : lanes[j];
+  float best = kMinusInf;
+  for (int64_t i = body; i < n; ++i) best = best < x[i] ? x[i] : best;
+  for (int64_t j = 0; j < kLanes; ++j) best = best < lanes[j] ? lanes[j] : best;
+  return best;
+}
+
+// e^x for x <= 0 (every caller subtracts the row's maximum first), within 2 ulp: Cephes'
+// expf (x = n ln 2 + r, |r| <= ln 2 / 2, a degree-5 polynomial in r, then 2^n), written as
+// straight-line arithmetic the compiler vectorises (libm's expf is a call per element). Below
+// -87 (and at -inf, a masked score) it is 0, as e^x is in float to 1e-38.
+inline float exp_nonpositive(float x) {
+  const bool tiny = x < -87.0f;
+  x = std::max(x, -87.0f);
+  // n = round(x log2 e) by adding and taking away 1.5 × 2^23 (std::floor would keep GCC from
+  // vectorising the loop; without -ffast-math the two additions are not folded away)
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return tiny ? 0.0f : p * scale;
+}
+
+// sum of e^(x_i - shift)
+ATTN_ROW_KERNEL float sum_exp(const float* x, float shift, int64_t n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += exp_nonpositive(x[i] - shift);
+  return sum;
+}
+
+// softmax in place over n scores (at least one finite)
+ATTN_ROW_KERNEL void softmax(float* x, int64_t n) {
+  const float shift = row_max(x, n);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = exp_nonpositive(x[i] - shift);
+    sum += x[i];
+  }
+  const float inverse = 1.0f / sum;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] *= inverse;
+}
+
+// out = LayerNorm(x) (weight, bias, eps), one row of d; mean and variance in two passes as
+// torch's layer_norm computes them (the variance of x - mean, not E[x^2] - mean^2)
+ATTN_ROW_KERNEL void layer_norm(const float* x, const float* weight, const float* bias, float eps,
+                       int64_t d, float* out) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < d; ++i) sum += x[i];
+  const float mean = sum / static_cast<float>(d);
+  float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < d; ++i) squares += (x[i] - mean) * (x[i] - mean);
+  const float rstd = 1.0f / std::sqrt(squares / static_cast<float>(d) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) out[i] = (x[i] - mean) * rstd * weight[i] + bias[i];
+}
+
+// x = LayerNorm(x + y): a post-norm sub-layer's residual and norm in one pass over the row
+ATTN_ROW_KERNEL void add_layer_norm(float* x, const float* y, const float* weight, const float* bias,
+                           float eps, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) x[i] += y[i];
+  layer_norm(x, weight, bias, eps, d, x);
+}
+
+// The k largest of n values that `allowed` lets through (none: all), in descending order, the
+// earlier column first among equals; fewer than k allowed: the rest -inf at column 0.
+// `top`/`columns` hold k each. One pass: most values fail against the k-th best so far.
+ATTN_ROW_KERNEL void top_k(const float* x, int64_t n, int64_t k, const bool* banned, float* top,
+                  int64_t* columns) {
+  constexpr int64_t kBlock = 64;  // a block whose maximum is not above the k-th is skipped
+  int64_t held = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    if (c % kBlock == 0 && held == k && c + kBlock <= n &&
+        !(row_max(x + c, kBlock) > top[k - 1])) {
+      c += kBlock - 1;
+      continue;
+    }
+    const float value = x[c];
+    if (held == k && !(value > top[k - 1])) continue;
+    if (banned != nullptr && banned[c]) continue;
+    int64_t at = held < k ? held++ : k - 1;
+    while (at > 0 && value > top[at - 1]) {
+      top[at] = top[at - 1];
+      columns[at] = columns[at - 1];
+      --at;
+    }
+    top[at] = value;
+    columns[at] = c;
+  }
+  for (int64_t i = held; i < k; ++i) {
+    top[i] = kMinusInf;
+    columns[i] = 0;
+  }
+}
+
+}  // namespace attn_kernels
