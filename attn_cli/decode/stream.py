@@ -73,21 +73,20 @@ class Stream:
         src = torch.full((len(ids), max(lengths)), config.pad_id, dtype=torch.long)
         for row, sentence in enumerate(ids):
             src[row, :len(sentence)] = torch.tensor(sentence)
-        memory, _ = self.native.encode(src)
+        memory, src_mask = self.native.encode(src)
         per_layer = [layer.cross_attn.memory_for_steps(memory)
                      for layer in self.native.model.decoder_layers]
         longest = translator.longest_output
         for row, (key, length) in enumerate(zip(keys, lengths)):
             limit = max_output_length(length - 1, options.max_len_a, options.max_len_b)
             limit = min(limit, longest) if longest else limit
-            # its own memory, cut to its length: no padding, no mask
-            own = [part for keys_t, values in per_layer
-                   for part in (keys_t[row, :, :, :length].contiguous(),
-                                values[row, :, :length].contiguous())]
+            # its rows of the batch's memory (views, no copy) and its padding mask
+            own = [part for keys_t, values in per_layer for part in (keys_t[row], values[row])]
+            mask = src_mask[row].reshape(-1) if length < src.shape[1] else None
             number = self._next
             self._next += 1
             self._keys[number] = key
-            self._stream.add(number, own, None, limit)
+            self._stream.add(number, own, mask, limit)
             self._longest = max(self._longest, limit)
 
     def call_off(self, key: Hashable) -> None:

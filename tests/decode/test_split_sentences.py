@@ -75,9 +75,10 @@ def test_lines_of_one_sentence_decode_as_without_splitting():
 def test_the_sentences_of_all_texts_are_searched_in_shared_batches():
     translator = load_translator(CHECKPOINT, device="cpu", threads=1, workers=1)
     searched = []
-    search = translator.search
-    translator.search = lambda ids, *rest, **named: searched.append(len(ids)) or search(ids, *rest,
-                                                                                   **named)
+    for name in ("search", "stream_search"):  # batches, or a stream (the C++ fused step)
+        search = getattr(translator, name)
+        setattr(translator, name, lambda ids, *rest, search=search, **named:
+                searched.append(len(ids)) or search(ids, *rest, **named))
     texts = [joined(*line) for line in LINES]
     found = translator.translate_paragraphs(texts)
     assert searched == [10]  # one batch: every sentence of every text

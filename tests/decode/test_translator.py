@@ -42,19 +42,22 @@ def test_a_lines_outputs_are_always_nbest_as_decode_prints_them(trained):
 
 
 def test_out_of_memory_in_a_search_names_its_batch_and_the_option(trained, monkeypatch):
-    from attn_cli.decode import translator as translator_module
+    """Raised from the encoder, which both a batch's search and a stream run: the same line
+    either way."""
+    from attn_cli.model import Transformer
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\n...")
 
     model, _ = trained
-    translator = load_translator(model, 4, threads=1, batch_tokens=640)
-    monkeypatch.setattr(translator_module, "beam_search", out_of_memory)
-    with pytest.raises(AttnError) as error:
-        translator.translate(["a man"])
-    assert str(error.value) == ("out of GPU memory with search batches of 640 source tokens × "
-                                "beam (CUDA out of memory. Tried to allocate 2.00 GiB.): lower "
-                                "--batch-tokens (640)")
+    monkeypatch.setattr(Transformer, "encode", out_of_memory)
+    for step in ("auto", "eager"):  # a stream (the C++ step's fused kernels), batches
+        translator = load_translator(model, 4, threads=1, batch_tokens=640, step=step)
+        with pytest.raises(AttnError) as error:
+            translator.translate(["a man"])
+        assert str(error.value) == ("out of GPU memory with search batches of 640 source "
+                                    "tokens × beam (CUDA out of memory. Tried to allocate 2.00 "
+                                    "GiB.): lower --batch-tokens (640)")
 
 
 def test_load_translator_checks_its_options_before_loading_the_model(tmp_path):

@@ -144,48 +144,40 @@ struct Cache {
   }
 };
 
-// The fused step's self-attention keys and values (stage B): per layer (capacity, slots, D)
+// The fused step's self-attention keys and values (stage B): per layer (positions, slots, D)
 // float32, the key and value of position s written once, where they are made, into a slot of
 // position s's block, and never moved; a hypothesis's past is read through its origin, the
 // slot of each of its positions. A beam reorder copies origins (an int a position) where
-// Cache.reorder's next step copies every layer's whole cache.
-struct SlotStore {
-  std::vector<Tensor> keys, values;
-  int64_t capacity = 0, slots = 0;
+// Cache.reorder's next step copies every layer's whole cache. A batch has one such store (a
+// slot a row); a Stream's sentence its own (a slot a beam), sized to its own limit, made when
+// it joins and freed when it leaves.
+struct KVStore {
+  std::vector<Tensor> tensors;             // per layer: keys, values
+  std::vector<float*> keys, values;        // their data
+  int64_t slots = 0;
 
-  SlotStore() = default;
-  SlotStore(int64_t layers, int64_t key_width, int64_t value_width, int64_t positions,
-            int64_t slot_count, const at::TensorOptions& options)
-      : capacity(positions), slots(slot_count) {
+  KVStore() = default;
+  KVStore(int64_t layers, int64_t key_width, int64_t value_width, int64_t positions,
+          int64_t slot_count, const at::TensorOptions& options)
+      : slots(slot_count) {
     for (int64_t i = 0; i < layers; ++i) {
-      keys.push_back(at::empty({capacity, slots, key_width}, options.dtype(at::kFloat)));
-      values.push_back(at::empty({capacity, slots, value_width}, options.dtype(at::kFloat)));
+      tensors.push_back(at::empty({positions, slots, key_width}, options.dtype(at::kFloat)));
+      tensors.push_back(at::empty({positions, slots, value_width}, options.dtype(at::kFloat)));
+      keys.push_back(tensors[2 * i].data_ptr<float>());
+      values.push_back(tensors[2 * i + 1].data_ptr<float>());
     }
-  }
-
-  // Room for `positions` positions and `slot_count` slots, what is written kept.
-  void reserve(int64_t positions, int64_t slot_count) {
-    if (positions <= capacity && slot_count <= slots) return;
-    const int64_t new_capacity = std::max(capacity, positions + positions / 4);
-    const int64_t new_slots = std::max(slots, slot_count + slot_count / 4);
-    for (auto* tensors : {&keys, &values})
-      for (Tensor& tensor : *tensors) {
-        Tensor grown = at::empty({new_capacity, new_slots, tensor.size(2)}, tensor.options());
-        grown.slice(0, 0, capacity).slice(1, 0, slots).copy_(tensor);
-        tensor = grown;
-      }
-    capacity = new_capacity;
-    slots = new_slots;
   }
 };
 
 // One row of a fused step as its kernels read it: its position (how many before it), the
 // slot its key and value at that position are written to, its origin (its slots at positions
-// 0..position, the last one `slot`), and its sentence (its place in the step's memory views).
+// 0..position, the last one `slot`), its sentence (its place in the step's memory views) and
+// the store its keys and values are in.
 struct RowView {
   int64_t position, slot;
   const int32_t* origin;
   int64_t sentence;
+  const KVStore* store;
 };
 
 // A sentence's encoder-decoder keys (transposed, (H, d_k, S)) and values ((H, S, d_v)) in
@@ -197,20 +189,21 @@ struct MemoryView {
   const float* mask;
 };
 
-// The fused step's cache of one batch (beam_search's): a SlotStore in which row r of the
+// The fused step's cache of one batch (its tests' and benchmarks'): a KVStore in which row r of the
 // step at position t writes slot r (each position's block is written by one step only), the
 // rows' origins, and the source side (memory_kv, src_mask) as Cache's.
 struct PositionCache {
   Tensor src_mask;
   std::vector<Tensor> memory_kv;
-  SlotStore store;
+  KVStore store;
   std::vector<int32_t> origin, spare_origin;  // rows_capacity x capacity
   int64_t capacity = 0, rows_capacity = 0, length = 0;
 
   PositionCache(Tensor mask, std::vector<Tensor> memory, int64_t layers, int64_t key_width,
                 int64_t value_width, int64_t positions, int64_t most_rows)
       : src_mask(std::move(mask)), memory_kv(std::move(memory)),
-        store(layers, key_width, value_width, positions, most_rows, memory_kv.front().options()),
+        store(layers, key_width, value_width, positions, most_rows,
+              memory_kv.front().options()),
         capacity(positions), rows_capacity(most_rows) {
     origin.resize(rows_capacity * capacity);
     spare_origin.resize(rows_capacity * capacity);
@@ -240,7 +233,7 @@ struct PositionCache {
     for (int64_t r = 0; r < rows; ++r) {
       int32_t* row_origin = origin.data() + r * capacity;
       row_origin[length] = static_cast<int32_t>(r);
-      found[r] = {length, r, row_origin, r / group};
+      found[r] = {length, r, row_origin, r / group, &store};
     }
     TORCH_CHECK(src_mask.scalar_type() == at::kFloat && src_mask.stride(3) == 1,
                 "the fused step reads a float32 mask");
@@ -394,9 +387,8 @@ class Decoder {
   // model's.
   Tensor fused_logits(const int64_t* tokens, const std::vector<RowView>& rows,
                       const std::vector<MemoryView>& memory, int64_t sentences,
-                      SlotStore& store, const Tensor& positions,
-                      const std::optional<Linear>& output) const {
-    Tensor hidden = fused_layers(tokens, rows, memory, sentences, store, positions);
+                      const Tensor& positions, const std::optional<Linear>& output) const {
+    Tensor hidden = fused_layers(tokens, rows, memory, sentences, positions);
     Tensor logits = output.has_value() ? (*output)(hidden) : output_(hidden);
     return logits.to(at::kFloat).contiguous();
   }
@@ -413,7 +405,7 @@ class Decoder {
   // layer, per sentence (`sentences` each); `positions`: the position table (P, D).
   Tensor fused_layers(const int64_t* tokens, const std::vector<RowView>& rows,
                       const std::vector<MemoryView>& memory, int64_t sentences,
-                      SlotStore& store, const Tensor& positions) const {
+                      const Tensor& positions) const {
     const int64_t count = static_cast<int64_t>(rows.size()), width = embedding_.size(1);
     const int64_t q_width = heads_ * d_k_, v_width = heads_ * d_v_;
     Tensor x = at::empty({count, width}, embedding_.options());
@@ -442,15 +434,14 @@ class Decoder {
       Tensor qkv = layer.qkv(h).contiguous();
       const float* made = qkv.data_ptr<float>();
       const int64_t stride = qkv.size(1);
-      float* keys = store.keys[i].data_ptr<float>();
-      float* values = store.values[i].data_ptr<float>();
       for (int64_t r = 0; r < count; ++r) {
+        const KVStore& store = *rows[r].store;
         const int64_t at = rows[r].position * store.slots + rows[r].slot;
-        std::copy_n(made + r * stride + q_width, q_width, keys + at * q_width);
-        std::copy_n(made + r * stride + 2 * q_width, v_width, values + at * v_width);
+        std::copy_n(made + r * stride + q_width, q_width, store.keys[i] + at * q_width);
+        std::copy_n(made + r * stride + 2 * q_width, v_width, store.values[i] + at * v_width);
       }
       Tensor context = at::empty({count, v_width}, x.options());
-      self_attention(made, stride, store, i, rows, context.data_ptr<float>());
+      self_attention(made, stride, i, rows, context.data_ptr<float>());
       residual(layer, 0, x, layer.self_out(context));
       // encoder-decoder attention
       if (pre_norm_) norm_rows(layer.norms[1], x, h);
@@ -478,7 +469,7 @@ class Decoder {
     const std::vector<RowView> rows = cache.views(tokens.size(0), memory);
     Tensor ids = tokens.to(at::kLong).contiguous();
     Tensor hidden = fused_layers(ids.data_ptr<int64_t>(), rows, memory,
-                                 cache.memory_kv.front().size(0), cache.store, positions);
+                                 cache.memory_kv.front().size(0), positions);
     cache.length += 1;
     return hidden;
   }
@@ -565,15 +556,16 @@ class Decoder {
   // softmax(q k_s / sqrt(d_k)) over s, the softmax in float32, then the sum of the values so
   // weighted, written to context (rows, H × d_v) heads side by side (the layout the output
   // projection reads, with no transpose).
-  void self_attention(const float* qkv, int64_t stride, const SlotStore& store, size_t layer,
+  void self_attention(const float* qkv, int64_t stride, size_t layer,
                       const std::vector<RowView>& rows, float* context) const {
     using namespace attn_kernels;
     const float scale = static_cast<float>(std::pow(static_cast<double>(d_k_), -0.5));
     const int64_t q_width = heads_ * d_k_, v_width = heads_ * d_v_;
-    const float* keys = store.keys[layer].data_ptr<float>();
-    const float* values = store.values[layer].data_ptr<float>();
     std::vector<float> scores;
     for (size_t r = 0; r < rows.size(); ++r) {
+      const KVStore& store = *rows[r].store;
+      const float* keys = store.keys[layer];
+      const float* values = store.values[layer];
       const int32_t* origin = rows[r].origin;
       const int64_t length = rows[r].position + 1;
       scores.resize(length);
@@ -877,7 +869,8 @@ std::vector<Tensor> Decoder::beam_search(
 // their positions); its encoder-decoder memory; search.Finished's part of it (its n best
 // scores, whether a step's best candidate ended, how many ended) and the rows found.
 struct Flight {
-  int64_t key, limit, block;
+  int64_t key, limit;
+  KVStore store;                   // its self-attention keys and values: limit × K slots
   std::vector<Tensor> memory;      // per layer: keys (transposed), values (held for the views)
   std::vector<MemoryView> views;   // per layer
   Tensor mask;                     // (S) where its memory is padded
@@ -932,15 +925,13 @@ class Stream {
       flight.views.push_back({keys_t.data_ptr<float>(), values.data_ptr<float>(),
                               keys_t.size(2), mask_data});
     }
-    if (free_blocks_.empty()) free_blocks_.push_back(blocks_++);
-    flight.block = free_blocks_.back();
-    free_blocks_.pop_back();
+    flight.store = KVStore(static_cast<int64_t>(decoder_.layer_count()), decoder_.key_width(),
+                           decoder_.value_width(), limit, beam_, at::dtype(at::kFloat));
     flight.scores.assign(1, 0.0f);
     flight.tokens.assign(1, bos_id_);
     flight.origin.resize(beam_ * limit);
     flight.spare_origin.resize(beam_ * limit);
     flight.top.assign(nbest_, -kInf);
-    longest_ = std::max(longest_, limit);
     flights_.push_back(std::move(flight));
   }
 
@@ -963,11 +954,6 @@ class Stream {
   std::vector<std::pair<int64_t, std::vector<Tensor>>> step(const Tensor& positions) {
     std::vector<std::pair<int64_t, std::vector<Tensor>>> ended;
     if (flights_.empty()) return ended;
-    if (store_.keys.empty()) {
-      store_ = SlotStore(decoder_.layer_count(), decoder_.key_width(), decoder_.value_width(),
-                         longest_, blocks_ * beam_, positions.options());
-    }
-    store_.reserve(longest_, blocks_ * beam_);
     const Tensor table = positions.to(at::kFloat).contiguous();
     std::vector<RowView> rows;
     std::vector<int64_t> tokens;
@@ -977,16 +963,15 @@ class Stream {
       Flight& flight = flights_[f];
       for (int64_t g = 0; g < flight.group; ++g) {
         int32_t* origin = flight.origin.data() + g * flight.limit;
-        const int64_t slot = flight.block * beam_ + g;
-        origin[flight.length] = static_cast<int32_t>(slot);
-        rows.push_back({flight.length, slot, origin, static_cast<int64_t>(f)});
+        origin[flight.length] = static_cast<int32_t>(g);
+        rows.push_back({flight.length, g, origin, static_cast<int64_t>(f), &flight.store});
         tokens.push_back(flight.tokens[g]);
       }
       for (size_t layer = 0; layer < layers; ++layer)
         memory[layer * flights_.size() + f] = flight.views[layer];
     }
     Tensor logits = decoder_.fused_logits(tokens.data(), rows, memory,
-                                          static_cast<int64_t>(flights_.size()), store_, table,
+                                          static_cast<int64_t>(flights_.size()), table,
                                           output_);
     if (banned_.empty()) {
       banned_.assign(logits.size(1), 0);
@@ -999,7 +984,6 @@ class Stream {
       const bool over = advance(flight, values, logits.size(1));
       values += flight.group_before * logits.size(1);
       if (over) {
-        free_blocks_.push_back(flight.block);
         ended.emplace_back(flight.key, std::move(flight.found));
       } else {
         going_on.push_back(std::move(flight));
@@ -1118,9 +1102,6 @@ class Stream {
   std::optional<Linear> output_;
   std::vector<char> banned_;
   std::vector<Flight> flights_;
-  std::vector<int64_t> free_blocks_;
-  int64_t blocks_ = 0, longest_ = 0;
-  SlotStore store_;
 };
 
 std::vector<Tensor> Decoder::fused_beam_search(
