@@ -124,13 +124,37 @@ ATTN_ROW_KERNEL void add_layer_norm(float* x, const float* y, const float* weigh
 // The k largest of n values that `allowed` lets through (none: all), in descending order, the
 // earlier column first among equals; fewer than k allowed: the rest -inf at column 0.
 // `top`/`columns` hold k each. One pass: most values fail against the k-th best so far.
+constexpr int64_t kBlock = 64;  // top_k skips a block whose maximum is not above the k-th
+
+// The maximum of each whole block of kBlock values (n / kBlock of them), and of all n: one
+// pass, so that the log-softmax's shift and top_k's skipping read the row once between them.
+ATTN_ROW_KERNEL float block_maxima(const float* x, int64_t n, float* maxima) {
+  constexpr int64_t kLanes = 16;
+  const int64_t blocks = n / kBlock;
+  float best = kMinusInf;
+  for (int64_t b = 0; b < blocks; ++b) {
+    float lanes[kLanes];
+    std::fill_n(lanes, kLanes, kMinusInf);
+    const float* block = x + b * kBlock;
+    for (int64_t i = 0; i < kBlock; i += kLanes)
+      for (int64_t j = 0; j < kLanes; ++j)
+        lanes[j] = lanes[j] < block[i + j] ? block[i + j] : lanes[j];
+    float most = kMinusInf;
+    for (int64_t j = 0; j < kLanes; ++j) most = most < lanes[j] ? lanes[j] : most;
+    maxima[b] = most;
+    best = best < most ? most : best;
+  }
+  for (int64_t i = blocks * kBlock; i < n; ++i) best = best < x[i] ? x[i] : best;
+  return best;
+}
+
+// `maxima`: block_maxima's of x (none: each block's is computed where it is needed).
 ATTN_ROW_KERNEL void top_k(const float* x, int64_t n, int64_t k, const bool* banned, float* top,
-                  int64_t* columns) {
-  constexpr int64_t kBlock = 64;  // a block whose maximum is not above the k-th is skipped
+                           int64_t* columns, const float* maxima = nullptr) {
   int64_t held = 0;
   for (int64_t c = 0; c < n; ++c) {
     if (c % kBlock == 0 && held == k && c + kBlock <= n &&
-        !(row_max(x + c, kBlock) > top[k - 1])) {
+        !((maxima != nullptr ? maxima[c / kBlock] : row_max(x + c, kBlock)) > top[k - 1])) {
       c += kBlock - 1;
       continue;
     }

@@ -486,11 +486,11 @@ class Decoder {
                              int64_t* picked) {
     using namespace attn_kernels;
     const int64_t per_beam = std::min(k, vocab), width = group * per_beam;
-    std::vector<float> candidates(width), top(per_beam);
+    std::vector<float> candidates(width), top(per_beam), maxima(vocab / kBlock);
     std::vector<int64_t> tokens(width), columns(per_beam), flat(k);
     for (int64_t g = 0; g < group; ++g) {
       const float* x = rows + g * vocab;
-      const float shift = row_max(x, vocab);
+      const float shift = block_maxima(x, vocab, maxima.data());
       const float log_sum = std::log(sum_exp(x, shift, vocab));
       if (at_limit) {  // only EOS may end a hypothesis at its limit
         std::fill(top.begin(), top.end(), kMinusInf);
@@ -498,7 +498,7 @@ class Decoder {
         if (banned == nullptr || !banned[eos_column]) top[0] = x[eos_column];
         columns[0] = eos_column;
       } else {
-        top_k(x, vocab, per_beam, banned, top.data(), columns.data());
+        top_k(x, vocab, per_beam, banned, top.data(), columns.data(), maxima.data());
       }
       for (int64_t j = 0; j < per_beam; ++j) {
         candidates[g * per_beam + j] = scores[g] + ((top[j] - shift) - log_sum);
