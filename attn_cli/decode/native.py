@@ -217,7 +217,7 @@ class NativeDecoder:
             [tensor for pair in cache.self_kv for tensor in pair], output, column_ids,
             setup.limits, sorted(setup.limit_lengths), setup.banned, penalties,
             constraint.eos_column, config.eos_id, config.bos_id, beam, nbest,
-            STOP_RULES[stop], alpha, self.model.positions(0, longest),
+            STOP_RULES[stop], alpha, self.positions(longest),
             setup.called_off.cancelled, self.fused)
 
     @property

@@ -21,17 +21,20 @@ from collections.abc import Hashable
 
 import torch
 
-from ..search import Hypothesis, banned_ids, max_output_length, read_hypotheses
+from ..batching import pad_sequences
+from ..search import Hypothesis, banned_ids, output_limits, read_hypotheses
 from .native import STOP_RULES, NativeDecoder
 
 
 def supported(translator) -> bool:
     """Whether `translator`'s lines can be searched in a Stream: its step is the C++ one with
     the fused kernels (one float32 model on a CPU), and its search is a free beam search (not
-    sampling, no shortlist; a line's controls are the caller's to check)."""
+    sampling, no shortlist, no phrases banned; a line's own controls, its glossary terms
+    among them, are the caller's to check)."""
     stepped = translator.stepped
     return (isinstance(stepped, NativeDecoder) and stepped.fused and stepped.fusable
-            and not translator.options.sample and translator.controls.shortlist is None)
+            and not translator.options.sample and translator.controls.shortlist is None
+            and not translator.controls.bans)
 
 
 class Stream:
@@ -68,21 +71,15 @@ class Stream:
         if not ids:
             return
         translator, options = self.translator, self.translator.options
-        config = translator.config
-        lengths = [len(sentence) for sentence in ids]
-        src = torch.full((len(ids), max(lengths)), config.pad_id, dtype=torch.long)
-        for row, sentence in enumerate(ids):
-            src[row, :len(sentence)] = torch.tensor(sentence)
+        src = pad_sequences(ids, translator.config.pad_id)
+        limits = output_limits(src, translator.config.pad_id, options.max_len_a,
+                               options.max_len_b, translator.longest_output).tolist()
         memory, src_mask = self.native.encode(src)
-        per_layer = [layer.cross_attn.memory_for_steps(memory)
-                     for layer in self.native.model.decoder_layers]
-        longest = translator.longest_output
-        for row, (key, length) in enumerate(zip(keys, lengths)):
-            limit = max_output_length(length - 1, options.max_len_a, options.max_len_b)
-            limit = min(limit, longest) if longest else limit
+        memory_kv = self.native.start_decoding(memory, src_mask).memory_kv
+        for row, (key, limit) in enumerate(zip(keys, limits)):
             # its rows of the batch's memory (views, no copy) and its padding mask
-            own = [part for keys_t, values in per_layer for part in (keys_t[row], values[row])]
-            mask = src_mask[row].reshape(-1) if length < src.shape[1] else None
+            own = [part for keys_t, values in memory_kv for part in (keys_t[row], values[row])]
+            mask = src_mask[row].reshape(-1) if len(ids[row]) < src.shape[1] else None
             number = self._next
             self._next += 1
             self._keys[number] = key

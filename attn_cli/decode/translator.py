@@ -235,8 +235,8 @@ class Translator:
             # flight, and the stream's per-sentence bookkeeping then cost more than batches
             # (decode_speed, demo model: greedy 0.69x CTranslate2 streamed, 0.93x in batches;
             # beam 4 0.90x either way, in 197 steps instead of 286).
-            if self.options.beam > 1 and not self.constraint_for and not self.controls.bans \
-                    and all(line == NONE for line in line_controls) and stream_supported(self):
+            if self.options.beam > 1 and not self.constraint_for and \
+                    all(line == NONE for line in line_controls) and stream_supported(self):
                 with batch_must_fit(f"search batches of {self.options.batch_tokens} source "
                                     "tokens × beam",
                                     f"lower --batch-tokens ({self.options.batch_tokens})"):

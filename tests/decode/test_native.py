@@ -196,6 +196,20 @@ def test_the_fused_search_finds_what_the_python_search_finds(built, make, linear
                     assert a.log_prob == pytest.approx(b.log_prob, abs=1e-4)
 
 
+def search_calling_off_sentence_1(stepper) -> tuple[list, int]:
+    """A beam search of SOURCES whose sentence 1 is called off from the fifth ask of
+    `cancelled()` on: its hypotheses, and how many times it asked."""
+    asked = []
+
+    def cancelled():
+        asked.append(len(asked))
+        return [1] if len(asked) > 3 else []
+
+    with torch.inference_mode():
+        found = beam_search(stepper, SOURCES, beam=4, max_len_b=20, cancelled=cancelled)
+    return found, len(asked)
+
+
 def test_a_sentence_called_off_leaves_the_cpp_search_as_the_python_one(built):
     """`cancelled()` is asked before each step's read, in C++ as in Python: the sentence named
     leaves at the same step, the others find what they would have found."""
@@ -205,16 +219,7 @@ def test_a_sentence_called_off_leaves_the_cpp_search_as_the_python_one(built):
     native.decode_step = python_loop_taken
     found = {}
     for name, stepper in (("eager", model), ("native", native)):
-        asked = []
-
-        def cancelled(asked=asked):
-            asked.append(len(asked))
-            return [1] if len(asked) > 3 else []
-
-        with torch.inference_mode():
-            found[name] = beam_search(stepper, SOURCES, beam=4, max_len_b=20,
-                                      cancelled=cancelled)
-        found[name + " asked"] = len(asked)
+        found[name], found[name + " asked"] = search_calling_off_sentence_1(stepper)
     assert found["native"] == found["eager"]
     assert found["native asked"] == found["eager asked"] > 4
     with torch.inference_mode():
@@ -230,16 +235,8 @@ def test_a_sentence_called_off_leaves_the_fused_search_as_the_python_one(built):
     native.decode_step = python_loop_taken
     found = {}
     for name, stepper in (("eager", model), ("fused", native)):
-        asked = []
-
-        def cancelled(asked=asked):
-            asked.append(len(asked))
-            return [1] if len(asked) > 3 else []
-
-        with torch.inference_mode():
-            found[name] = [[h.tokens for h in hypotheses] for hypotheses in beam_search(
-                stepper, SOURCES, beam=4, max_len_b=20, cancelled=cancelled)]
-        found[name + " asked"] = len(asked)
+        hypotheses, found[name + " asked"] = search_calling_off_sentence_1(stepper)
+        found[name] = [[h.tokens for h in each] for each in hypotheses]
     assert found["fused"] == found["eager"]
     assert found["fused asked"] == found["eager asked"] > 4
 

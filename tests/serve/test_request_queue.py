@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from attn_cli.decode.stream import Stream
+from attn_cli.decode.stream import supported as stream_supported
 from attn_cli.decode.translator import load_translator
 from attn_cli.serve.request_queue import Job, QueueFull, RequestQueue, streamable
 
@@ -95,16 +96,23 @@ def test_a_failing_search_fails_its_requests_and_the_workers_go_on(translator):
 
     broken.search = fail
     broken.stepped = broken.model  # the eager step: a batch's search, not a stream
+    failing, fine = fail_then_answer(broken, translator)
+    assert isinstance(failing.error, RuntimeError)
+    assert fine.error is None and texts(fine) == translator.translate(fine.lines)
+
+
+def fail_then_answer(failing_translator, translator) -> tuple[Job, Job]:
+    """The same three lines through one worker, first with `failing_translator`, then, once
+    that job is done, with `translator`: the two jobs."""
     lines = bundled_lines("val.en", 3)
-    failing, fine = Job(lines, broken, None), Job(lines, translator, None)
+    failing, fine = Job(lines, failing_translator, None), Job(lines, translator, None)
     queue = RequestQueue(workers=1, capacity=100)
     try:
         submit_and_wait(queue, [failing])
         submit_and_wait(queue, [fine])
     finally:
         queue.close()
-    assert isinstance(failing.error, RuntimeError)
-    assert fine.error is None and texts(fine) == translator.translate(lines)
+    return failing, fine
 
 
 def test_a_failing_stream_fails_its_requests_and_the_workers_go_on(translator, monkeypatch):
@@ -121,16 +129,9 @@ def test_a_failing_stream_fails_its_requests_and_the_workers_go_on(translator, m
         return real_step(stream)
 
     monkeypatch.setattr(Stream, "step", step_failing_once)
-    lines = bundled_lines("val.en", 3)
-    failing, fine = Job(lines, translator, None), Job(lines, translator, None)
-    queue = RequestQueue(workers=1, capacity=100)
-    try:
-        submit_and_wait(queue, [failing])
-        submit_and_wait(queue, [fine])
-    finally:
-        queue.close()
+    failing, fine = fail_then_answer(translator, translator)
     assert isinstance(failing.error, RuntimeError)
-    assert fine.error is None and texts(fine) == translator.translate(lines)
+    assert fine.error is None and texts(fine) == translator.translate(fine.lines)
     assert steps[0] is steps[2] is not steps[-1]  # a new stream after the failure
 
 
@@ -238,3 +239,24 @@ def test_a_line_arriving_mid_search_joins_it_and_leaves_at_its_own_end(translato
     assert max(steps) == len(long_lines) + 1  # the late line flew with the early ones
     assert texts(early) == translator.translate(long_lines)
     assert texts(late) == translator.translate(late.lines)
+
+
+def test_a_translator_with_banned_phrases_searches_in_batches(trained):
+    """Bans are a constraint a stream does not know: such a translator's lines are searched
+    in batches (`attn serve --ban`), its outputs free of the phrase."""
+    model, _ = trained
+    plain = load_translator(model, 4, threads=1)
+    lines = bundled_lines("val.en", 50)
+    line, output = next((line, output) for line, output in zip(lines, plain.translate(lines))
+                        if output.split())  # the test model leaves some outputs empty
+    line, banned_word = [line], output.split()[0]
+    banning = load_translator(model, 4, threads=1, bans=[banned_word])
+    assert stream_supported(plain) and not stream_supported(banning)
+    assert not streamable([type("Line", (), {"job": Job(line, banning, None)})()])
+    job = Job(line, banning, None)
+    queue = RequestQueue(workers=1, capacity=100)
+    try:
+        submit_and_wait(queue, [job])
+    finally:
+        queue.close()
+    assert banned_word not in texts(job)[0].split()

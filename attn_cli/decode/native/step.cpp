@@ -311,8 +311,8 @@ class Decoder {
   // vocabulary or a shortlist's columns, `output` and `column_ids`), every step here: the
   // same ATen ops as the Python search, in the same order, so the same hypotheses with the
   // same scores. Returns search.finished_rows's rows, one tensor per step where some finished.
-  // `fused`: with stage B's kernels (fused_hidden_step, fused_topk_over_beams) where the
-  // decoder is fusable: the same search, its scores equal to float rounding.
+  // `fused`: with stage B's kernels (fused_beam_search) where the decoder is fusable: the
+  // same search, its scores equal to float rounding.
   std::vector<Tensor> beam_search(const SearchBatch& batch, const Tensor& positions,
                                   const std::optional<pybind11::function>& cancelled,
                                   bool fused) const;
@@ -512,7 +512,7 @@ class Decoder {
     }
   }
 
-  // beam_search with stage B's kernels: the fused step, fused_topk_over_beams, and the
+  // beam_search with stage B's kernels: the fused step, sentence_top_k, and the
   // search's bookkeeping (Finished, Beams, first_not_ending, sentences_done, as the ATen
   // search below has them) as loops over a few host arrays instead of ~60 small tensor ops a
   // step. The same rules in the same order; scores computed as there (float32 sums, float64
@@ -552,6 +552,16 @@ class Decoder {
                                    static_cast<float>(norm.eps), width);
   }
 
+  // Both attentions' last part for one row and head: softmax over `scores` (in place), then
+  // out (d_v) = the sum of the values (`value_at(s)`: position s's) so weighted.
+  template <typename ValueAt>
+  void weigh_values(std::vector<float>& scores, float* out, ValueAt value_at) const {
+    const int64_t length = static_cast<int64_t>(scores.size());
+    attn_kernels::softmax(scores.data(), length);
+    std::fill_n(out, d_v_, 0.0f);
+    for (int64_t s = 0; s < length; ++s) attn_kernels::axpy(scores[s], value_at(s), out, d_v_);
+  }
+
   // One query per row and head against its positions 0..position in layer `layer`'s store:
   // softmax(q k_s / sqrt(d_k)) over s, the softmax in float32, then the sum of the values so
   // weighted, written to context (rows, H × d_v) heads side by side (the layout the output
@@ -575,13 +585,9 @@ class Decoder {
           const float* k = keys + (s * store.slots + origin[s]) * q_width + head * d_k_;
           scores[s] = dot(q, k, d_k_) * scale;
         }
-        softmax(scores.data(), length);
-        float* out = context + r * v_width + head * d_v_;
-        std::fill_n(out, d_v_, 0.0f);
-        for (int64_t s = 0; s < length; ++s) {
-          const float* v = values + (s * store.slots + origin[s]) * v_width + head * d_v_;
-          axpy(scores[s], v, out, d_v_);
-        }
+        weigh_values(scores, context + r * v_width + head * d_v_, [&](int64_t s) {
+          return values + (s * store.slots + origin[s]) * v_width + head * d_v_;
+        });
       }
     }
   }
@@ -610,11 +616,9 @@ class Decoder {
 #pragma omp simd
           for (int64_t s = 0; s < length; ++s) scores[s] = scores[s] * scale;
         }
-        softmax(scores.data(), length);
-        float* out = context + r * v_width + head * d_v_;
-        std::fill_n(out, d_v_, 0.0f);
         const float* v = source.values + head * length * d_v_;
-        for (int64_t s = 0; s < length; ++s) axpy(scores[s], v + s * d_v_, out, d_v_);
+        weigh_values(scores, context + r * v_width + head * d_v_,
+                     [&](int64_t s) { return v + s * d_v_; });
       }
     }
   }
@@ -874,7 +878,7 @@ struct Flight {
   std::vector<Tensor> memory;      // per layer: keys (transposed), values (held for the views)
   std::vector<MemoryView> views;   // per layer
   Tensor mask;                     // (S) where its memory is padded
-  int64_t length = 0, group = 1, group_before = 1;
+  int64_t length = 0, group = 1;
   std::vector<float> scores;
   std::vector<int64_t> tokens, history;
   std::vector<int32_t> origin, spare_origin;
@@ -981,8 +985,9 @@ class Stream {
     const float* values = logits.data_ptr<float>();
     std::vector<Flight> going_on;
     for (Flight& flight : flights_) {
+      const int64_t group = flight.group;  // its rows of this step's logits
       const bool over = advance(flight, values, logits.size(1));
-      values += flight.group_before * logits.size(1);
+      values += group * logits.size(1);
       if (over) {
         ended.emplace_back(flight.key, std::move(flight.found));
       } else {
@@ -999,7 +1004,6 @@ class Stream {
   // Beams.advance. Whether its search is over.
   bool advance(Flight& flight, const float* rows, int64_t vocab) {
     const int64_t beam = beam_, k = 2 * beam, group = flight.group;
-    flight.group_before = group;
     std::vector<float> best(k);
     std::vector<int64_t> origin(k), picked(k);
     Decoder::sentence_top_k(rows, group, vocab, flight.scores.data(),
