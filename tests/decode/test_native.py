@@ -196,6 +196,53 @@ def test_the_fused_search_finds_what_the_python_search_finds(built, make, linear
                     assert a.log_prob == pytest.approx(b.log_prob, abs=1e-4)
 
 
+def wide_heads_model() -> Transformer:
+    """Heads of 64 and 80 values (the kernels' 64-wide blocks and their tails), 96-wide keys
+    (a dot's 16-lane body and tail), a vocabulary of 300."""
+    torch.manual_seed(8)
+    config = PRESETS["tiny"].model_config(300, dropout=0.0, d_model=128, heads=2, d_k=48,
+                                          d_v=80)
+    model = Transformer(config).eval()
+    with torch.no_grad():
+        model.tgt_embed.weight.mul_(4)
+    return model
+
+
+def test_the_fused_kernels_hold_for_long_sources_wide_heads_and_many_rows(built):
+    """The fused step's vector paths: sources of 23, 12 and 5 pieces (the encoder-decoder
+    scores in blocks of 16, of 8, and row by row, the last block overlapping the one before),
+    heads of 48 keys and 80 values, and 11 sentences × 4 beams = 44 rows, which the linear
+    layers run padded to 48: the eager step's logits within float rounding, and the Python
+    search's hypotheses."""
+    model = inference_model(wide_heads_model(), torch.device("cpu"), linears="packed")
+    native = NativeDecoder(model, built)
+    generator = torch.Generator().manual_seed(1)
+    lengths = [23, 12, 5, 23, 12, 5, 23, 12, 5, 23, 12]
+    sources = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        sources[row, :length] = torch.randint(4, 300, (length,), generator=generator)
+        sources[row, length - 1] = model.config.eos_id
+    with torch.inference_mode():
+        memory, src_mask = model.encode(sources)
+        rows = torch.arange(len(lengths)).repeat_interleave(4)
+        cache = model.start_decoding(memory, src_mask).reorder(rows)
+        by_position = native.position_cache(memory, src_mask, 8, len(rows))
+        by_position.reorder(rows, None)
+        differences = []
+        for _ in range(6):
+            tokens = torch.randint(4, 300, (len(rows),), generator=generator)
+            expected, cache = model.decode_step(tokens, cache)
+            found = native.fused_step(tokens, by_position)
+            assert found.shape == expected.shape
+            differences.append((found - expected).abs().max().item() / 1e-4)
+        assert 0 < max(differences) < 1, differences
+        native.decode_step = python_loop_taken
+        expected = beam_search(model, sources, beam=4, max_len_b=12)
+        found = beam_search(native, sources, beam=4, max_len_b=12)
+    assert [[h.tokens for h in each] for each in found] == \
+        [[h.tokens for h in each] for each in expected]
+
+
 def search_calling_off_sentence_1(stepper) -> tuple[list, int]:
     """A beam search of SOURCES whose sentence 1 is called off from the fifth ask of
     `cancelled()` on: its hypotheses, and how many times it asked."""

@@ -23,10 +23,34 @@ constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 // not (seen: sum_exp scalar there, row_max scalar in a clone for 64).
 #define ATTN_ROW_KERNEL __attribute__((noinline, noclone)) inline
 
+// Vectors of 16 and 8 floats as GCC lowers them for the ISA built for (one zmm, two ymm,
+// ...), read from and written to any float address (aligned(4)): the attention's kernels keep
+// their sums in these registers across a loop, where `omp simd` loops kept them in memory.
+typedef float Vec16 __attribute__((vector_size(64), aligned(4)));
+typedef float Vec8 __attribute__((vector_size(32), aligned(4)));
+typedef float Vec4 __attribute__((vector_size(16), aligned(4)));
+
+inline Vec16 load16(const float* p) { return *reinterpret_cast<const Vec16*>(p); }
+inline Vec8 load8(const float* p) { return *reinterpret_cast<const Vec8*>(p); }
+inline void store16(float* p, Vec16 x) { *reinterpret_cast<Vec16*>(p) = x; }
+inline void store8(float* p, Vec8 x) { *reinterpret_cast<Vec8*>(p) = x; }
+
+// The sum of a vector's lanes by halves (8 + 8, 4 + 4, ...): a few shuffles, where the
+// reduction `omp simd` wrote summed the 16 lanes one after another through memory.
+inline float lane_sum(Vec16 x) {
+  const Vec8 eight = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Vec4 four = __builtin_shufflevector(eight, eight, 0, 1, 2, 3) +
+                    __builtin_shufflevector(eight, eight, 4, 5, 6, 7);
+  return (four[0] + four[2]) + (four[1] + four[3]);
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  Vec16 lanes = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) lanes += load16(a + i) * load16(b + i);
+  float sum = lane_sum(lanes);
+  for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
 
@@ -34,6 +58,59 @@ inline float dot(const float* a, const float* b, int64_t n) {
 inline void axpy(float a, const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// out (d) = the sum over s < length of weights[s] × value_at(s) (a row of d): 64 columns at a
+// time held in four vector registers across every s (axpy per s read and wrote `out` each
+// time).
+template <typename ValueAt>
+inline void weighted_sum(const float* weights, int64_t length, ValueAt value_at, float* out,
+                         int64_t d) {
+  int64_t c = 0;
+  for (; c + 64 <= d; c += 64) {
+    Vec16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t s = 0; s < length; ++s) {
+      const float* v = value_at(s) + c;
+      const float w = weights[s];
+      a0 += w * load16(v);
+      a1 += w * load16(v + 16);
+      a2 += w * load16(v + 32);
+      a3 += w * load16(v + 48);
+    }
+    store16(out + c, a0);
+    store16(out + c + 16, a1);
+    store16(out + c + 32, a2);
+    store16(out + c + 48, a3);
+  }
+  if (c == d) return;
+  std::fill(out + c, out + d, 0.0f);
+  for (int64_t s = 0; s < length; ++s) axpy(weights[s], value_at(s) + c, out + c, d - c);
+}
+
+// scores (length) = q (d) against keys stored transposed (d rows of `length`: keys_t[j ×
+// length + s] is key s's j-th value): each block of 16 (or 8) positions summed over j in one
+// register; the last block overlaps the one before it instead of reading past the row (its
+// positions computed again, to the same values). Below 8 positions, axpy over the rows.
+inline void scores_transposed(const float* q, const float* keys_t, int64_t length, int64_t d,
+                              float* scores) {
+  if (length >= 16) {
+    for (int64_t start = 0; start < length; start += 16) {
+      const int64_t s = std::min(start, length - 16);
+      Vec16 sum = {};
+      for (int64_t j = 0; j < d; ++j) sum += q[j] * load16(keys_t + j * length + s);
+      store16(scores + s, sum);
+    }
+  } else if (length >= 8) {
+    for (int64_t start = 0; start < length; start += 8) {
+      const int64_t s = std::min(start, length - 8);
+      Vec8 sum = {};
+      for (int64_t j = 0; j < d; ++j) sum += q[j] * load8(keys_t + j * length + s);
+      store8(scores + s, sum);
+    }
+  } else {
+    std::fill_n(scores, length, 0.0f);
+    for (int64_t j = 0; j < d; ++j) axpy(q[j], keys_t + j * length, scores, length);
+  }
 }
 
 ATTN_ROW_KERNEL float row_max(const float* x, int64_t n) {

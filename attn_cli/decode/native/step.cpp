@@ -388,10 +388,16 @@ class Decoder {
   Tensor fused_logits(const int64_t* tokens, const std::vector<RowView>& rows,
                       const std::vector<MemoryView>& memory, int64_t sentences,
                       const Tensor& positions, const std::optional<Linear>& output) const {
-    Tensor hidden = fused_layers(tokens, rows, memory, sentences, positions);
+    Tensor hidden = padded_layers(tokens, rows, memory, sentences, positions);
     Tensor logits = output.has_value() ? (*output)(hidden) : output_(hidden);
-    return logits.to(at::kFloat).contiguous();
+    return logits.to(at::kFloat).contiguous().narrow(0, 0, static_cast<int64_t>(rows.size()));
   }
+
+  // The rows the fused step's linear layers run on: `count` rounded up to a multiple of 8 above
+  // 32. oneDNN makes (and JIT-compiles) a kernel for each new number of rows, 0.6-2 ms each,
+  // and a stream's steps bring a new count nearly every step: ~600 such kernels in a 1000-line
+  // decode, 5% of it, where the padding costs under 8 rows of ~300 (benchmarks/README.md).
+  static int64_t padded_rows(int64_t count) { return count <= 32 ? count : (count + 7) / 8 * 8; }
 
   // Whether the fused step computes this decoder (stage B): float32 weights (its kernels are
   // float32 loops; bf16 keeps the ATen step).
@@ -406,9 +412,20 @@ class Decoder {
   Tensor fused_layers(const int64_t* tokens, const std::vector<RowView>& rows,
                       const std::vector<MemoryView>& memory, int64_t sentences,
                       const Tensor& positions) const {
+    return padded_layers(tokens, rows, memory, sentences, positions)
+        .narrow(0, 0, static_cast<int64_t>(rows.size()));
+  }
+
+  // fused_layers on padded_rows(N) rows, the rows past N zeros going in (their outputs
+  // finite and unused).
+  Tensor padded_layers(const int64_t* tokens, const std::vector<RowView>& rows,
+                       const std::vector<MemoryView>& memory, int64_t sentences,
+                       const Tensor& positions) const {
     const int64_t count = static_cast<int64_t>(rows.size()), width = embedding_.size(1);
     const int64_t q_width = heads_ * d_k_, v_width = heads_ * d_v_;
-    Tensor x = at::empty({count, width}, embedding_.options());
+    const int64_t padded = padded_rows(count);
+    Tensor x = at::empty({padded, width}, embedding_.options());
+    x.narrow(0, count, padded - count).zero_();
     {
       const float* table = embedding_.data_ptr<float>();
       const float* where = positions.data_ptr<float>();
@@ -440,13 +457,15 @@ class Decoder {
         std::copy_n(made + r * stride + q_width, q_width, store.keys[i] + at * q_width);
         std::copy_n(made + r * stride + 2 * q_width, v_width, store.values[i] + at * v_width);
       }
-      Tensor context = at::empty({count, v_width}, x.options());
+      Tensor context = at::empty({padded, v_width}, x.options());
+      context.narrow(0, count, padded - count).zero_();
       self_attention(made, stride, i, rows, context.data_ptr<float>());
       residual(layer, 0, x, layer.self_out(context));
       // encoder-decoder attention
       if (pre_norm_) norm_rows(layer.norms[1], x, h);
       Tensor queries = layer.cross_q(h).contiguous();
-      context = at::empty({count, v_width}, x.options());
+      context = at::empty({padded, v_width}, x.options());
+      context.narrow(0, count, padded - count).zero_();
       cross_attention(queries.data_ptr<float>(), memory.data() + i * sentences, rows,
                       context.data_ptr<float>());
       residual(layer, 1, x, layer.cross_out(context));
@@ -558,8 +577,7 @@ class Decoder {
   void weigh_values(std::vector<float>& scores, float* out, ValueAt value_at) const {
     const int64_t length = static_cast<int64_t>(scores.size());
     attn_kernels::softmax(scores.data(), length);
-    std::fill_n(out, d_v_, 0.0f);
-    for (int64_t s = 0; s < length; ++s) attn_kernels::axpy(scores[s], value_at(s), out, d_v_);
+    attn_kernels::weighted_sum(scores.data(), length, value_at, out, d_v_);
   }
 
   // One query per row and head against its positions 0..position in layer `layer`'s store:
@@ -607,8 +625,7 @@ class Decoder {
       for (int64_t head = 0; head < heads_; ++head) {
         const float* q = queries + r * q_width + head * d_k_;
         const float* k = source.keys_t + head * d_k_ * length;
-        std::fill(scores.begin(), scores.end(), 0.0f);
-        for (int64_t d = 0; d < d_k_; ++d) axpy(q[d], k + d * length, scores.data(), length);
+        scores_transposed(q, k, length, d_k_, scores.data());
         if (source.mask != nullptr) {
 #pragma omp simd
           for (int64_t s = 0; s < length; ++s) scores[s] = scores[s] * scale + source.mask[s];
