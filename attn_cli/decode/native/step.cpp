@@ -394,9 +394,10 @@ class Decoder {
   }
 
   // The rows the fused step's linear layers run on: `count` rounded up to a multiple of 8 above
-  // 32. oneDNN makes (and JIT-compiles) a kernel for each new number of rows, 0.6-2 ms each,
-  // and a stream's steps bring a new count nearly every step: ~600 such kernels in a 1000-line
-  // decode, 5% of it, where the padding costs under 8 rows of ~300 (benchmarks/README.md).
+  // 32. oneDNN makes (and JIT-compiles) a kernel for each new number of rows, and a stream's
+  // row count changes nearly every step; the padding costs a few rows of hundreds. (The
+  // kernels' cost and the count before and after: benchmarks/README.md, issue 53's third
+  // session.)
   static int64_t padded_rows(int64_t count) { return count <= 32 ? count : (count + 7) / 8 * 8; }
 
   // Whether the fused step computes this decoder (stage B): float32 weights (its kernels are
