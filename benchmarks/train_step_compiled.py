@@ -39,10 +39,7 @@ from attn_cli.config import get_preset
 from attn_cli.loss import projected_label_smoothed_loss
 from attn_cli.model import Transformer
 from attn_cli.train.start import adam
-
-
-def log(*parts) -> None:
-    print(*parts, file=sys.stderr, flush=True)
+from benchmarks._harness import log
 
 
 def batch_shapes(tokens: int, shapes: int, seed: int = 1) -> list[tuple[int, int, int]]:

@@ -232,9 +232,8 @@ class Translator:
             line_controls = [self.controls_of(lines[i], controls[i] if controls else NONE)
                              for i in todo]
             # A stream at beam search only: greedy's rows are whole sentences, hundreds in
-            # flight, and the stream's per-sentence bookkeeping then cost more than batches
-            # (decode_speed, demo model: greedy 0.69x CTranslate2 streamed, 0.93x in batches;
-            # beam 4 0.90x either way, in 197 steps instead of 286).
+            # flight, and the stream's per-sentence bookkeeping then costs more than batches
+            # do (measured: benchmarks/README.md, stage B and iteration-level batching).
             if self.options.beam > 1 and not self.constraint_for and \
                     all(line == NONE for line in line_controls) and stream_supported(self):
                 with batch_must_fit(f"search batches of {self.options.batch_tokens} source "
@@ -269,7 +268,7 @@ class Translator:
         """`search` of the sentences `ids` with iteration-level batching (`stream.Stream`):
         each worker flies a stream, longest sentences first, as many in flight as the source
         budget holds (their tokens summed: a stream pads nothing); as sentences leave, the
-        next ones join, encoded together once an eighth of the budget is free, so that every
+        next ones join, encoded together once a third of the budget is free, so that every
         step runs a full stream, not a batch's thinning tail. What a sentence finds is what
         `search` finds for it."""
         waiting = deque(sorted(range(len(ids)), key=lambda index: -len(ids[index])))

@@ -239,19 +239,27 @@ class RequestQueue:
     def _answer(self, flying: list[_Line], answers: list) -> list[Job]:
         """Lines that left the stream, with their outputs (None: cancelled): out of `flying`,
         into their jobs; the jobs now complete."""
-        finished = []
         with self._changed:
-            for line, output in answers:
+            for line, _ in answers:
                 flying.remove(line)
-                job = line.job
-                if job.cancelled or job.error is not None:
-                    continue
-                job.outputs[line.index] = output
-                job.remaining -= 1
-                if job.remaining == 0:
-                    finished.append(job)
+            finished = self._record(answers)
             if answers:
                 self._changed.notify_all()
+        return finished
+
+    @staticmethod
+    def _record(answers: list) -> list[Job]:  # the lock held
+        """Each line's output (None: cancelled) into its job; the jobs now complete. A job
+        cancelled or failed meanwhile takes nothing: its outputs mean nothing, no one waits."""
+        finished = []
+        for line, output in answers:
+            job = line.job
+            if job.cancelled or job.error is not None:
+                continue
+            job.outputs[line.index] = output
+            job.remaining -= 1
+            if job.remaining == 0:
+                finished.append(job)
         return finished
 
     def _admit(self, flying: list[_Line]) -> list[_Line]:
@@ -375,14 +383,7 @@ class RequestQueue:
             if failure is not None:
                 finished = self._fail(batch, failure)
             else:
-                for line, output in zip(batch, outputs):
-                    job = line.job
-                    if job.cancelled:  # its output (if any) means nothing, and no one waits
-                        continue
-                    job.outputs[line.index] = output
-                    job.remaining -= 1
-                    if job.remaining == 0 and job.error is None:
-                        finished.append(job)
+                finished = self._record(list(zip(batch, outputs)))
             self._changed.notify_all()
         self._hand_back(finished, translator)
 

@@ -276,7 +276,8 @@ class Decoder {
           std::optional<Norm> final_norm, Linear output)
       : heads_(heads), d_k_(d_k), d_v_(d_v), pre_norm_(pre_norm),
         embedding_(std::move(embedding)), embed_scale_(embed_scale), pad_id_(pad_id),
-        final_norm_(std::move(final_norm)), output_(std::move(output)) {
+        final_norm_(std::move(final_norm)), output_(std::move(output)),
+        query_scale_(static_cast<float>(std::pow(static_cast<double>(d_k), -0.5))) {
     TORCH_CHECK(linears.size() % 6 == 0 && norms.size() == linears.size() / 2,
                 "a decoder layer has 6 linear layers and 3 norms");
     for (size_t i = 0; i < linears.size() / 6; ++i) {
@@ -425,8 +426,13 @@ class Decoder {
     const int64_t count = static_cast<int64_t>(rows.size()), width = embedding_.size(1);
     const int64_t q_width = heads_ * d_k_, v_width = heads_ * d_v_;
     const int64_t padded = padded_rows(count);
-    Tensor x = at::empty({padded, width}, embedding_.options());
-    x.narrow(0, count, padded - count).zero_();
+    // (padded, columns), its rows past `count` zeros
+    auto rows_padded = [&](int64_t columns) {
+      Tensor made = at::empty({padded, columns}, embedding_.options());
+      made.narrow(0, count, padded - count).zero_();
+      return made;
+    };
+    Tensor x = rows_padded(width);
     {
       const float* table = embedding_.data_ptr<float>();
       const float* where = positions.data_ptr<float>();
@@ -458,15 +464,13 @@ class Decoder {
         std::copy_n(made + r * stride + q_width, q_width, store.keys[i] + at * q_width);
         std::copy_n(made + r * stride + 2 * q_width, v_width, store.values[i] + at * v_width);
       }
-      Tensor context = at::empty({padded, v_width}, x.options());
-      context.narrow(0, count, padded - count).zero_();
+      Tensor context = rows_padded(v_width);
       self_attention(made, stride, i, rows, context.data_ptr<float>());
       residual(layer, 0, x, layer.self_out(context));
       // encoder-decoder attention
       if (pre_norm_) norm_rows(layer.norms[1], x, h);
       Tensor queries = layer.cross_q(h).contiguous();
-      context = at::empty({padded, v_width}, x.options());
-      context.narrow(0, count, padded - count).zero_();
+      context = rows_padded(v_width);
       cross_attention(queries.data_ptr<float>(), memory.data() + i * sentences, rows,
                       context.data_ptr<float>());
       residual(layer, 1, x, layer.cross_out(context));
@@ -588,7 +592,6 @@ class Decoder {
   void self_attention(const float* qkv, int64_t stride, size_t layer,
                       const std::vector<RowView>& rows, float* context) const {
     using namespace attn_kernels;
-    const float scale = static_cast<float>(std::pow(static_cast<double>(d_k_), -0.5));
     const int64_t q_width = heads_ * d_k_, v_width = heads_ * d_v_;
     std::vector<float> scores;
     for (size_t r = 0; r < rows.size(); ++r) {
@@ -602,7 +605,7 @@ class Decoder {
         const float* q = qkv + r * stride + head * d_k_;
         for (int64_t s = 0; s < length; ++s) {
           const float* k = keys + (s * store.slots + origin[s]) * q_width + head * d_k_;
-          scores[s] = dot(q, k, d_k_) * scale;
+          scores[s] = dot(q, k, d_k_) * query_scale_;
         }
         weigh_values(scores, context + r * v_width + head * d_v_, [&](int64_t s) {
           return values + (s * store.slots + origin[s]) * v_width + head * d_v_;
@@ -616,7 +619,6 @@ class Decoder {
   void cross_attention(const float* queries, const MemoryView* memory,
                        const std::vector<RowView>& rows, float* context) const {
     using namespace attn_kernels;
-    const float scale = static_cast<float>(std::pow(static_cast<double>(d_k_), -0.5));
     const int64_t q_width = heads_ * d_k_, v_width = heads_ * d_v_;
     std::vector<float> scores;
     for (size_t r = 0; r < rows.size(); ++r) {
@@ -629,10 +631,10 @@ class Decoder {
         scores_transposed(q, k, length, d_k_, scores.data());
         if (source.mask != nullptr) {
 #pragma omp simd
-          for (int64_t s = 0; s < length; ++s) scores[s] = scores[s] * scale + source.mask[s];
+          for (int64_t s = 0; s < length; ++s) scores[s] = scores[s] * query_scale_ + source.mask[s];
         } else {
 #pragma omp simd
-          for (int64_t s = 0; s < length; ++s) scores[s] = scores[s] * scale;
+          for (int64_t s = 0; s < length; ++s) scores[s] = scores[s] * query_scale_;
         }
         const float* v = source.values + head * length * d_v_;
         weigh_values(scores, context + r * v_width + head * d_v_,
@@ -655,6 +657,7 @@ class Decoder {
   std::vector<Layer> layers_;
   std::optional<Norm> final_norm_;
   Linear output_;
+  float query_scale_;  // 1 / sqrt(d_k), the fused attentions' (the ATen step computes its own)
 };
 
 
@@ -901,6 +904,7 @@ struct Flight {
   std::vector<int64_t> tokens, history;
   std::vector<int32_t> origin, spare_origin;
   std::vector<double> top;
+  float longest_penalty = 1.0f;    // the length penalty at `limit` (search.can_stop's)
   bool best_ended = false, called_off = false;
   int64_t ended = 0;
   std::vector<Tensor> found;       // search.finished_rows's rows, column 0 the key
@@ -954,6 +958,8 @@ class Stream {
     flight.origin.resize(beam_ * limit);
     flight.spare_origin.resize(beam_ * limit);
     flight.top.assign(nbest_, -kInf);
+    flight.longest_penalty = std::pow((static_cast<float>(limit) + 5.0f) / 6.0f,
+                                      static_cast<float>(alpha_));
     flights_.push_back(std::move(flight));
   }
 
@@ -1063,9 +1069,7 @@ class Stream {
     if (beam == 1) {
       over = over || kth_best > -kInf;
     } else if (stop_ == kBound) {  // search.can_stop at the longest output's penalty
-      const float longest_penalty = std::pow((static_cast<float>(flight.limit) + 5.0f) / 6.0f,
-                                             static_cast<float>(alpha_));
-      over = over || live_best / longest_penalty <= kth_best;
+      over = over || live_best / flight.longest_penalty <= kth_best;
     } else if (stop_ == kPatience) {
       over = over || flight.ended >= beam;
     } else if (stop_ == kBestEnds) {
