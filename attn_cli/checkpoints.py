@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from . import stfile
-from .errors import AttnError
+from .errors import AttnError, say
 from .files import atomic_output, atomic_path, cannot_write, read_metrics
 from .formats import (
     ADAM_MOMENTS,
@@ -371,10 +371,8 @@ class RunLock:
                             "--resume; or choose another -o; if that host is down, delete "
                             f"{run_dir / self.FILE}") from None
         except OSError as error:  # a file system without locks (some NFS mounts)
-            import sys
-
-            print(f"train: warning: cannot lock {run_dir} ({error.strerror}): a second "
-                  "training on it would not be refused", file=sys.stderr, flush=True)
+            say(f"train: warning: cannot lock {run_dir} ({error.strerror}): a second "
+                "training on it would not be refused")
         self.handle.seek(0)
         self.handle.truncate()
         self.handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")

@@ -20,7 +20,7 @@ import typer
 
 from . import __version__
 from .config import ALPHA_HIGHEST, MAX_LEN_A_HIGHEST, PRESETS, SERVE_DEFAULTS, TRAIN_DEFAULTS
-from .errors import AttnError, is_out_of_memory, out_of_memory_line
+from .errors import AttnError, is_out_of_memory, out_of_memory_line, say
 from .formats import (
     BATCH_TOKENS,
     BUFFER_SIZE,
@@ -53,7 +53,7 @@ app = typer.Typer(
 
 def log(message: str) -> None:
     """A line for the user, on stderr (stdout carries data only)."""
-    print(message, file=sys.stderr, flush=True)
+    say(message)
 
 
 def _version(value: bool) -> None:

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from .errors import AttnError
+from .errors import AttnError, say
 from .formats import BATCH_TOKENS, CUDNN_ATTENTION, GPU_BATCH_TOKENS
 from .model import FeedForward, Transformer
 
@@ -108,13 +107,13 @@ def warn_if_bf16_is_emulated(dtype: str, device: torch.device, command: str) -> 
     """One line on stderr when bf16 is asked for on a CPU or GPU that would emulate it."""
     if dtype == "bf16" and device.type == "cuda" and not gpu_has_native_bf16(device):
         name = torch.cuda.get_device_name(device)
-        print(f"{command}: warning: --dtype bf16 on {name}, which has no bf16 tensor cores "
+        say(f"{command}: warning: --dtype bf16 on {name}, which has no bf16 tensor cores "
               "(compute capability below 8.0): emulated, slower than fp32; fp16 or fp32 is the "
-              "fast choice", file=sys.stderr, flush=True)
+              "fast choice")
     if dtype == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
-        print(f"{command}: warning: --dtype bf16 on a CPU without native bf16 (AVX512-BF16 or "
+        say(f"{command}: warning: --dtype bf16 on a CPU without native bf16 (AVX512-BF16 or "
               "AMX): oneDNN emulates it, many times slower than fp32; use fp32 (the default) "
-              "here", file=sys.stderr, flush=True)
+              "here")
 
 
 def autocast(device: torch.device, dtype: str):

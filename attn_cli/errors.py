@@ -5,7 +5,16 @@ what to do. No imports but the standard library's: every module may raise them."
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
+
+
+def say(line: str) -> None:
+    """One line on stderr in one write: print() writes the text and its newline apart, and the
+    processes of one torchrun job share a pipe, where their lines then ran together ("error:
+    ...error: ..."). A write of one line is atomic on a pipe up to PIPE_BUF (4 KiB)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 class AttnError(Exception):

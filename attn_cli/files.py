@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import AttnError
+from .errors import AttnError, say
 
 STDIO = "-"
 
@@ -61,7 +61,7 @@ class Utf8Policy:
 
     def __init__(self, strict: bool = True, warn: Callable[[str], None] | None = None):
         self.strict = strict
-        self.warn = warn or (lambda message: print(message, file=sys.stderr, flush=True))
+        self.warn = warn or say
         self.replaced: dict[str, list[int]] = {}  # file → its lines with bytes replaced
 
     def decode(self, raw: bytes, path: str | os.PathLike, line_number: int) -> str:

@@ -18,7 +18,7 @@ from attn_cli.cli import app
 from attn_cli.decode import options as decode_options
 from attn_cli.decode import translator as decode_translator
 
-from .conftest import assert_clean_error, run_attn
+from .conftest import REPO, assert_clean_error, run_attn
 
 COMMANDS = ("vocab", "binarize", "train", "average", "decode", "score", "parse", "serve")
 
@@ -201,3 +201,19 @@ print(seen, file=sys.stderr)
     treebank.write_text("(TOP (S (NP (DT a) (NN cat)) (VP (VBZ sleeps))))\n", encoding="utf-8")
     assert states(["parse", "linearize", str(treebank), "-o", str(tmp_path / "pairs")]) == str(
         {"linearizing": True, "after": True})
+
+
+
+def test_processes_sharing_stderr_never_run_their_lines_together():
+    """The ranks of one torchrun job share a stderr pipe: each line is one write (errors.say),
+    where print() wrote the text and its newline apart and 3 ranks' refusals arrived as one
+    line "error: ...error: ...error: ..." (the CI failure of stop 60)."""
+    writer = ("import sys\nfrom attn_cli.errors import say\n"
+              "line = 'error: rank ' + sys.argv[1] + ' ' + 'x' * 300\n"
+              "for _ in range(200):\n    say(line)\n")
+    four = " & ".join(f'"{sys.executable}" -c "$0" {rank}' for rank in range(4)) + "; wait"
+    shared = subprocess.run(["bash", "-c", four, writer], cwd=REPO, capture_output=True,
+                            text=True, check=True)
+    lines = shared.stderr.splitlines()
+    assert len(lines) == 4 * 200
+    assert all(re.fullmatch(r"error: rank \d x{300}", line) for line in lines)

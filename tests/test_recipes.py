@@ -270,7 +270,7 @@ def stand_in_mirror(directory: Path) -> Path:
     return directory
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a whole recipe, ~14 s on 2 cores: CI runs it after make test
 @pytest.mark.skipif(shutil.which("curl") is None, reason="the recipes download with curl")
 def test_wmt_recipe_runs_end_to_end_from_a_mirror(tmp_path):
     """`make base` of the en-de recipe on a stand-in mirror (file://), through every target:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ..devices import PackedFeedForward, PackedLinear
+from ..errors import say
 from ..files import attn_cache
 from ..formats import Stop
 from ..model import DecoderCache, FeedForward, Transformer
@@ -306,14 +307,12 @@ def native_decoder(model, warn, asked: bool = False,
 def main() -> None:
     """`python -m attn_cli.decode.native`: build the extension now (`make install` does), and
     say where it is or why it cannot be built."""
-    import sys
-
     native = extension()
     if isinstance(native, str):
-        print(f"attn: the C++ decoder step could not be built ({native}); decoding will use "
-              "the eager step", file=sys.stderr)
+        say(f"attn: the C++ decoder step could not be built ({native}); decoding will use "
+            "the eager step")
     else:
-        print(f"attn: the C++ decoder step is built: {cache_directory()}", file=sys.stderr)
+        say(f"attn: the C++ decoder step is built: {cache_directory()}")
 
 
 if __name__ == "__main__":

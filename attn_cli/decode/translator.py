@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import sys
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -20,7 +19,7 @@ from ..batching import balanced_batches, pad_sequences
 from ..config import parse_langs
 from ..devices import inference_dtype, inference_model, pick_device, search_batch_tokens
 from ..ensemble import Ensemble, load_models
-from ..errors import AttnError, batch_must_fit
+from ..errors import AttnError, batch_must_fit, say
 from ..formats import COMPILE_MODES, MAX_SOURCE_TOKENS, STEP_MODES, TRANSLATION
 from ..modelfile import LoadedModel
 from ..search import (
@@ -68,7 +67,7 @@ class Translator:
         models = [inference_model(member.model, device, dtype, linears)
                   for member in (loaded, *ensemble)]
         self.model = models[0] if len(models) == 1 else Ensemble(models)
-        self.warn = warn or (lambda message: print(message, file=sys.stderr, flush=True))
+        self.warn = warn or say
         # What the search steps: the model, its step in C++ (`--step`, `native.NativeDecoder`),
         # or its step with a preallocated cache, compiled (`--compile`, `compiled.StepDecoder`)
         self.stepped = self._stepped(compile, int8, step)

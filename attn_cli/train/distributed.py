@@ -17,7 +17,6 @@ from __future__ import annotations
 import inspect
 import os
 import socket
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,7 +24,7 @@ from datetime import timedelta
 import torch
 
 from ..devices import pick_device
-from ..errors import AttnError
+from ..errors import AttnError, say
 from ..formats import GRAD_SYNC
 
 # The switch that makes a one-process job a process group of one rank, trained through DDP.
@@ -53,7 +52,7 @@ class Processes:
     def log(self, message: str) -> None:
         """A line of `attn train`'s on stderr, from the main process only."""
         if self.is_main:
-            print(f"train: {message}", file=sys.stderr, flush=True)
+            say(f"train: {message}")
 
 
 def start_processes(device_option: str, timeout_minutes: float) -> Processes:
@@ -78,8 +77,8 @@ def start_processes(device_option: str, timeout_minutes: float) -> Processes:
         init_process_group(backend, device, timeout_minutes, alone=one_rank_group)
         what = (f"DDP on one rank ({ONE_RANK_SWITCH}=1): rank 0/1" if one_rank_group
                 else f"rank {rank}/{world_size}")
-        print(f"train: {what} on {socket.gethostname()} pid {os.getpid()}, {device} "
-              f"({backend}), {torch.get_num_threads()} threads", file=sys.stderr, flush=True)
+        say(f"train: {what} on {socket.gethostname()} pid {os.getpid()}, {device} "
+              f"({backend}), {torch.get_num_threads()} threads")
     return Processes(rank, world_size, device, one_rank_group)
 
 

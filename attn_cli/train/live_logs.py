@@ -20,10 +20,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import sys
 from pathlib import Path
 
-from ..errors import AttnError
+from ..errors import AttnError, say
 from ..files import atomic_output, read_metrics
 from ..formats import METRICS_FILE
 
@@ -207,5 +206,5 @@ class WandbLog:
         wandb.teardown()
         if getattr(self.run, "offline", False):
             sessions = Path(self.run.dir).parent.parent  # RUN_DIR/wandb/offline-run-*/files
-            print(f"train: W&B run {self.run.id} is offline: `wandb sync {sessions}/offline-run-*`"
-                  " uploads it", file=sys.stderr, flush=True)
+            say(f"train: W&B run {self.run.id} is offline: `wandb sync {sessions}/offline-run-*`"
+                  " uploads it")

@@ -14,7 +14,7 @@ import torch
 from ..batching import BatchPlan, batch_plan
 from ..config import ModelConfig, Preset, Recipe, TrainOptions, get_preset
 from ..data import ParallelData
-from ..errors import AttnError
+from ..errors import AttnError, say
 from ..model import Transformer
 from ..modelfile import init_config
 from .live_logs import LiveLogs
@@ -80,7 +80,7 @@ class TrainingDisplay:
         if self.live:
             self.live.console.print(line)
         else:
-            print(line, file=sys.stderr, flush=True)
+            say(line)
         if self.live_logs is not None:
             self.live_logs.row(row)
 

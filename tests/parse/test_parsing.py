@@ -22,7 +22,9 @@ GOLDEN = json.loads((FIXTURES / "golden.json").read_text(encoding="utf-8"))
 ANY_MODEL = FIXTURES / GOLDEN["checkpoint"]
 
 
-@pytest.fixture(params=["placeholders", "words"])
+# The placeholder parser trains 600 steps (~25 s on 2 cores) for this one test: `long`, run by
+# CI after `make test` (.ci/run), so that make test keeps within its 4 minutes.
+@pytest.fixture(params=[pytest.param("placeholders", marks=pytest.mark.long), "words"])
 def parser(request) -> tuple[str, Path]:
     """Each kind of toy parser (trained once per session, see conftest)."""
     terminals = request.param
