@@ -33,6 +33,7 @@ from .formats import (
     STEP_MODES,
     TERMINALS,
     TOKENIZERS,
+    TRAIN_COMPILE,
     TRANSLATION,
     VALID_METRICS,
     WORD_SCORES,
@@ -114,6 +115,7 @@ Tokenizer = _choices("Tokenizer", (*TOKENIZERS, COMPOUND_SPLIT))
 ValidMetric = _choices("ValidMetric", VALID_METRICS)
 GradSync = _choices("GradSync", GRAD_SYNC)
 CudnnAttention = _choices("CudnnAttention", CUDNN_ATTENTION)
+TrainCompile = _choices("TrainCompile", TRAIN_COMPILE)
 WandbMode = _choices("WandbMode", ("offline", "online"))  # train --wandb-mode
 
 
@@ -441,6 +443,13 @@ def train(
         "kernels, which build a graph for every new batch shape (on an H100 with torch 2.11, "
         "base on WMT-shaped batches trained 4.4x slower with them); auto: torch chooses. CUDA "
         "only: no effect on a CPU."),
+    compile: TrainCompile = typer.Option(
+        TrainCompile.auto, "--compile", help="Each encoder and decoder layer through torch's "
+        "compiler (inductor; dynamic shapes, so one graph serves every batch): on, off, or "
+        "auto: on a GPU when a forward pass holds >= 12,500 tokens (measured on an H200: "
+        "1.09x eager at 25,000, slower at 3,125; benchmarks/README.md), else off. 10-60 s to "
+        "compile at the start; where the compiler fails, one line and the eager layers. "
+        "Dropout masks differ from an eager run's on a GPU: resume with the same choice."),
     guided_alignment: bool = typer.Option(
         False, "--guided-alignment", help="Not in the paper (Garg et al. 2019): train one "
         "encoder-decoder attention head to follow the data file's word alignments (`attn "

@@ -287,6 +287,9 @@ class TrainOptions:
     grad_sync: str = _option("auto", on_resume=FREE)  # distributed.GRAD_SYNC
     # off: attention never on cuDNN's kernels (CUDA; devices.choose_cudnn_attention says why)
     cudnn_attention: str = _option("off", on_resume=FREE)
+    # each encoder and decoder layer through torch.compile: on, off, auto (on a GPU when a
+    # forward pass holds >= 12,500 tokens; train/compiled.py says why)
+    compile: str = _option("auto", on_resume=FREE)  # formats.TRAIN_COMPILE
     # Guided alignment (Garg et al. 2019; not in the paper): the data file's word alignments
     # (`attn binarize --alignments`) supervise one encoder-decoder attention head, adding
     # alignment_lambda × its cross-entropy with them to the loss (train/guided.py).

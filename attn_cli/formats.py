@@ -96,6 +96,8 @@ GRAD_SYNC = ("auto", "fp32", "bf16")
 # `train --cudnn-attention`: whether attention may run on cuDNN's kernels (off, the default of
 # every command: never; auto: torch decides; devices.choose_cudnn_attention says why)
 CUDNN_ATTENTION = ("off", "auto")
+# `train --compile`: each layer through torch's compiler (train/compiled.py)
+TRAIN_COMPILE = ("auto", "on", "off")
 
 # ------------------------------------------------------------------ vocabulary: fixed special ids
 

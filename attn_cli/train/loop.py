@@ -41,6 +41,7 @@ from ..checkpoints import ResumePoint
 from ..config import Recipe, TrainOptions, parse_interval
 from ..devices import autocast, choose_cudnn_attention, warn_if_bf16_is_emulated
 from ..errors import AttnError, TrainingDiverged, batch_must_fit
+from .compiled import compilations, compile_layers, compile_wanted
 from .distributed import (
     EveryRankStops,
     Processes,
@@ -138,6 +139,9 @@ def _train(options: TrainOptions, processes: Processes, display: Display) -> Pat
     if clock.last_save_step != step or not clock.saved_once:  # the same on every rank
         last_checkpoint = _record(run, step, {"step": step, "elapsed_s": clock.elapsed()},
                                   save=True, clock=clock)
+    if run.graphs_before is not None:
+        processes.log(f"{compilations() - run.graphs_before} graphs compiled in this run "
+                      "(--compile)")
     processes.log(f"{stop_reason}; last checkpoint {last_checkpoint}")
     return last_checkpoint if processes.is_main else None
 
@@ -159,6 +163,9 @@ class _Run(Start):
     steps: StepStream
     validation: Validation | None  # at every save, when the run has validation data
     votes: torch.Tensor  # (3,) float64 on the host, page-locked on a GPU: a step's votes
+    # the graphs compiled in this process before the run, if its layers are compiled (--compile;
+    # train/compiled.py), else None
+    graphs_before: int | None
 
     @property
     def run_dir(self) -> Path:
@@ -177,16 +184,25 @@ def _start(options: TrainOptions, processes: Processes, display: Display) -> _Ru
         plan.max_tokens, recipe.label_smoothing)
     if processes.is_main:
         warn_if_bf16_is_emulated(begun.dtype, processes.device, "train")
-    ddp_model = wrap_for_ddp(begun.model, processes, options.grad_sync)
     if processes.is_main:
         announce(begun, options, plan, processes)
+    # before DDP wraps the model: the compiler's trial pass must not reach DDP's gradient hooks
+    graphs_before = None
+    if compile_wanted(options.compile, processes.device, plan.max_tokens):
+        graphs_before = compilations()  # (dynamo is imported only here: it takes a second)
+        if not compile_layers(begun.model, begun.dtype, log=processes.log,
+                              agree=lambda failed: all_reduce_sum([float(failed)],
+                                                                  processes)[0] > 0):
+            graphs_before = None
+    ddp_model = wrap_for_ddp(begun.model, processes, options.grad_sync)
     stream = resumed_stream(begun.data, begun.mix, plan, options.seed, begun.point, processes)
     on_gpu = processes.device.type == "cuda"
     steps = StepStream(stream, plan, processes.rank, ahead=on_gpu, pinned=on_gpu)
     votes = torch.zeros(3, dtype=torch.float64)
     return _Run(**vars(begun), options=options, recipe=recipe, processes=processes,
                 display=display, plan=plan, ddp_model=ddp_model, steps=steps,
-                validation=validation, votes=votes.pin_memory() if on_gpu else votes)
+                validation=validation, votes=votes.pin_memory() if on_gpu else votes,
+                graphs_before=graphs_before)
 
 
 # --------------------------------------------------------------------------------- a step
