@@ -435,6 +435,11 @@ def train(
                                                "--dist-timeout", min=0.1,
                                                help="Minutes a process waits for the others "
                                                "(longer than a validation and a save)."),
+    start_timeout_minutes: float = typer.Option(
+        TRAIN_DEFAULTS["start_timeout_minutes"], "--start-timeout", min=0.01,
+        help="Minutes the processes may take to start their group and meet (torchrun's "
+        "store, NCCL's connections, a first all-reduce); past them each stops with one line "
+        "naming the network settings to check, instead of waiting --dist-timeout."),
     grad_sync: GradSync = typer.Option(GradSync.auto, "--grad-sync", help="Precision of the "
                                        "gradients' all-reduce: auto (bf16 between nodes on "
                                        "GPUs, fp32 within one), fp32, bf16 (CUDA)."),

@@ -283,6 +283,8 @@ class TrainOptions:
     reset_optimizer: bool = _option(False, on_resume=FREE)
     reset_schedule: bool = _option(False, on_resume=FREE)
     dist_timeout_minutes: float = _option(30.0, on_resume=FREE)
+    # the process group's start and first collective, bounded (distributed.start_watchdog)
+    start_timeout_minutes: float = _option(5.0, on_resume=FREE)
     # the gradients' precision in DDP's all-reduce: auto is bf16 between nodes on GPUs, fp32 else
     grad_sync: str = _option("auto", on_resume=FREE)  # distributed.GRAD_SYNC
     # off: attention never on cuDNN's kernels (CUDA; devices.choose_cudnn_attention says why)

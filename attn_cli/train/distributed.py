@@ -14,9 +14,11 @@ tells the others instead of leaving them waiting until --dist-timeout.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -55,7 +57,8 @@ class Processes:
             say(f"train: {message}")
 
 
-def start_processes(device_option: str, timeout_minutes: float) -> Processes:
+def start_processes(device_option: str, timeout_minutes: float,
+                    start_minutes: float = 5.0) -> Processes:
     """One process, or one of torchrun's (WORLD_SIZE, RANK, LOCAL_RANK in the environment):
     NCCL on CUDA, gloo on CPU. One process with ATTN_DDP_ONE_RANK=1: a process group of one."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -74,7 +77,8 @@ def start_processes(device_option: str, timeout_minutes: float) -> Processes:
         torch.set_num_threads(cpu_threads(world_size))
     if world_size > 1 or one_rank_group:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        init_process_group(backend, device, timeout_minutes, alone=one_rank_group)
+        with start_watchdog(backend, rank, start_minutes):
+            init_process_group(backend, device, timeout_minutes, alone=one_rank_group)
         what = (f"DDP on one rank ({ONE_RANK_SWITCH}=1): rank 0/1" if one_rank_group
                 else f"rank {rank}/{world_size}")
         say(f"train: {what} on {socket.gethostname()} pid {os.getpid()}, {device} "
@@ -107,6 +111,37 @@ def init_process_group(backend: str, device: torch.device, timeout_minutes: floa
     where = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}
     dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes),
                             **({"device_id": device} if device.type == "cuda" else {}), **where)
+    # The first collective, where NCCL's communicators connect (lazily, in some versions)
+    dist.all_reduce(torch.zeros(1, device=device))
+
+
+@contextlib.contextmanager
+def start_watchdog(backend: str, rank: int, minutes: float):
+    """The process group's start (torchrun's store at MASTER_ADDR, NCCL's communicators, the
+    first collective) bounded in time: a first contact between nodes that cannot reach each
+    other (a firewall, NCCL on the wrong network interface) would otherwise wait the whole
+    --dist-timeout, 30 minutes by default, or forever inside NCCL's set-up. Past `minutes`
+    the process says so in one line, naming what to check, and exits (status 2): torchrun then
+    ends the others. A timer thread, since the hang may be in C++ that never returns."""
+    def give_up() -> None:
+        where = (f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}")
+        network = ("NCCL_SOCKET_IFNAME=<the interface the nodes share> (NCCL_DEBUG=INFO shows "
+                   "the one NCCL took; NCCL_IB_DISABLE=1 where InfiniBand is absent)"
+                   if backend == "nccl" else
+                   "GLOO_SOCKET_IFNAME=<the interface the nodes share>")
+        say(f"error: rank {rank}: the {backend} process group did not start within "
+            f"--start-timeout {minutes:g} min: check that every node reaches {where} "
+            f"(torchrun's --rdzv-endpoint or --master-addr/--master-port) and {network}; "
+            "docs/distributed.md")
+        os._exit(2)
+
+    timer = threading.Timer(minutes * 60, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def check_process_layout(device_option: str) -> None:

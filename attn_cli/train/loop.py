@@ -70,7 +70,8 @@ def train(options: TrainOptions, display: Display | None = None) -> Path | None:
     `display` shows progress and metrics rows on the main process."""
     check_guidance_options(options)
     check_data_options(options)
-    processes = start_processes(options.device, options.dist_timeout_minutes)
+    processes = start_processes(options.device, options.dist_timeout_minutes,
+                                options.start_timeout_minutes)
     lock, finished = None, False
     try:
         lock = lock_run_directory(Path(options.output), processes)

@@ -444,3 +444,39 @@ def test_a_run_directory_rank_0_cannot_make_stops_every_rank_with_one_line(data_
     for result in results:
         assert_clean_error(result, f"cannot make or lock the run directory -o {run_dir}: ",
                            "Error: [Errno ")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hang", ["a rank that never comes", "a first collective that hangs"])
+def test_a_process_group_that_cannot_start_stops_within_start_timeout(data_files, tmp_path,
+                                                                       hang):
+    """First contact bounded (distributed.start_watchdog): a peer that never reaches the
+    store (a node that cannot reach MASTER_ADDR), or a first all-reduce that never returns
+    (NCCL connecting over the wrong interface, mocked), ends the process within
+    --start-timeout (3 s here, not --dist-timeout's minute) with one line naming what to check."""
+    train_st, _ = data_files
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    environment = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                   "OMP_NUM_THREADS": "1"}
+    argv = [*train_args(train_st, tmp_path / "run", "--max-steps", 2), "--dist-timeout", "1",
+            "--start-timeout", "0.05"]
+    mock = ""
+    if hang == "a first collective that hangs":  # one rank alone in a group of one
+        environment.update(WORLD_SIZE="1", ATTN_DDP_ONE_RANK="1")
+        mock = ("import time, torch.distributed as dist\n"
+                "dist.all_reduce = lambda *args, **kwargs: time.sleep(600)\n")
+    program = mock + "import sys\nfrom attn_cli.cli import main\nmain(sys.argv[1:])\n"
+    started = time.monotonic()
+    completed = subprocess.run([sys.executable, "-c", program, *map(str, argv)],
+                               capture_output=True, text=True, env=environment, timeout=60)
+    seconds = time.monotonic() - started
+    assert completed.returncode == 2, completed.stderr
+    assert seconds < 30  # the 3 s, and the start and import of a process
+    lines = [line for line in completed.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in completed.stderr, completed.stderr
+    assert "rank 0: the gloo process group did not start within --start-timeout 0.05 min" \
+        in lines[0]
+    assert f"127.0.0.1:{port}" in lines[0] and "GLOO_SOCKET_IFNAME" in lines[0]
