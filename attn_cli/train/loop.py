@@ -132,19 +132,28 @@ def _train(options: TrainOptions, processes: Processes, display: Display) -> Pat
                 last_checkpoint = checkpoint or last_checkpoint
                 window = _Window()
             if result.votes.stop or result.votes.time_up:
-                stop_reason = ("stopped by a signal" if result.votes.stop
+                stop_reason = (STOPPED_BY_SIGNAL if result.votes.stop
                                else f"reached --max-time {options.max_time}")
             elif result.votes.save:  # validated, when the run has validation data
                 stop_reason = _out_of_patience(run, step, clock)
         stop_reason = stop_reason or f"reached {run.recipe.max_steps} steps"
     if clock.last_save_step != step or not clock.saved_once:  # the same on every rank
+        # Stopped by a signal, the save comes without validation: torchrun (and Slurm) kill
+        # 30 s after SIGTERM, and a validation may take longer; the next save validates.
+        signalled = stop_reason == STOPPED_BY_SIGNAL
+        if signalled and run.validation is not None:
+            processes.log("stopped by a signal: saving without validating (torchrun and "
+                          "Slurm kill 30 s after SIGTERM)")
         last_checkpoint = _record(run, step, {"step": step, "elapsed_s": clock.elapsed()},
-                                  save=True, clock=clock)
+                                  save=True, clock=clock, validate=not signalled)
     if run.graphs_before is not None:
         processes.log(f"{compilations() - run.graphs_before} graphs compiled in this run "
                       "(--compile)")
     processes.log(f"{stop_reason}; last checkpoint {last_checkpoint}")
     return last_checkpoint if processes.is_main else None
+
+
+STOPPED_BY_SIGNAL = "stopped by a signal"
 
 
 # ------------------------------------------------------------------------------- the start
@@ -376,11 +385,13 @@ def _batch_must_fit(options: TrainOptions, recipe: Recipe) -> contextlib.Abstrac
 # --------------------------------------------------------------------- metrics and saving
 
 
-def _record(run: _Run, step: int, row: dict, save: bool, clock: _Clock) -> Path | None:
-    """A metrics row (with validation when saving), then the checkpoint when `save`. The row
-    goes to disk first: a run killed between the two resumes from the previous checkpoint and
-    rewrites this row, never loses it. Returns the checkpoint written (None: none)."""
-    if save and run.validation is not None:
+def _record(run: _Run, step: int, row: dict, save: bool, clock: _Clock,
+            validate: bool = True) -> Path | None:
+    """A metrics row (with validation when saving and `validate`), then the checkpoint when
+    `save`. The row goes to disk first: a run killed between the two resumes from the previous
+    checkpoint and rewrites this row, never loses it. Returns the checkpoint written (None:
+    none)."""
+    if save and validate and run.validation is not None:
         row.update(run.validation.row(run.model, run.processes, run.dtype))
     if len(row) > 2 and run.processes.is_main:  # more than the step and the time
         checkpoints.append_metrics(run.run_dir, row)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -480,3 +481,41 @@ def test_a_process_group_that_cannot_start_stops_within_start_timeout(data_files
     assert "rank 0: the gloo process group did not start within --start-timeout 0.05 min" \
         in lines[0]
     assert f"127.0.0.1:{port}" in lines[0] and "GLOO_SOCKET_IFNAME" in lines[0]
+
+
+@pytest.mark.long
+def test_sigterm_to_torchrun_saves_within_its_grace_and_resumes_exactly(data_files, tmp_path):
+    """torchrun forwards SIGTERM to its processes and kills them 30 s later. Every rank stops
+    after the same step (the stop is voted on with the losses), and rank 0 saves without
+    validating (a validation may outlast the grace; the next save validates): the run ends
+    well inside the 30 s, and resumed it equals the run never stopped, weights and losses."""
+    common = ["--batch-tokens", 1200, "--max-tokens", 600, "--save-every", 100000,
+              "--valid", data_files[1], "--log-every", 1]
+    stopped, whole = tmp_path / "stopped", tmp_path / "whole"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "-m", "attn_cli",
+               *map(str, train_args(data_files[0], stopped, *common, "--max-steps", 100000))]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    metrics = stopped / "metrics.jsonl"
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert time.monotonic() - signalled < 25, stderr  # inside torchrun's 30 s
+    assert "stopped by a signal: saving without validating" in stderr, stderr
+    saved = [step for step, _ in list_checkpoints(stopped, need_state=True)]
+    assert len(saved) == 1 and saved[0] >= 3, stderr
+    step = saved[0]
+    resumed = torchrun(2, *train_args(data_files[0], stopped, *common, "--max-steps",
+                                      step + 2, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    uninterrupted = torchrun(2, *train_args(data_files[0], whole, *common, "--max-steps",
+                                            step + 2))
+    assert uninterrupted.returncode == 0, uninterrupted.stderr
+    assert_same_weights(final_weights(stopped), final_weights(whole))
+    assert metrics_losses(stopped) == metrics_losses(whole)
