@@ -67,7 +67,7 @@ def write_vmap(shortlist_path: str, model_path: str, ct2_dir: str) -> None:
 def translate(ct2_dir: str, lines: list[str], beam: int, threads: int, layout: str = "inter",
               length_penalty: float | None = None, batch_tokens: int = BATCH_TOKENS,
               compute_type: str = "float32",
-              use_vmap: bool = False) -> tuple[list[str], float, int]:
+              use_vmap: bool = False, device: str = "cpu") -> tuple[list[str], float, int]:
     """Decode `lines` (non-empty) → (outputs, seconds, output tokens with one EOS each).
 
     layout "inter": `threads` batches at once, one thread each (as attn's CPU default, one
@@ -75,7 +75,11 @@ def translate(ct2_dir: str, lines: list[str], beam: int, threads: int, layout: s
     (6-10x slower on a busy 2-core VM, its OpenMP threads waiting on each other). Seconds run
     from tokenizing to detokenizing, model load excluded (as attn decode's summary line).
     `compute_type`: CTranslate2's ("int8": its int8 weights and activations). `use_vmap`: its
-    vocabulary map (vmap.txt in the model directory: `write_vmap`)."""
+    vocabulary map (vmap.txt in the model directory: `write_vmap`). `device` "cuda": one GPU,
+    batches one after another (as attn decodes on a GPU: one search worker), of
+    `batch_tokens` as attn's GPU batches are (pass formats.GPU_BATCH_TOKENS); the PyPI wheel
+    finds CUDA 12's cuBLAS (libcublas.so.12) on the library path, where CUDA torch's
+    nvidia-cublas-cu12 package has it (site-packages/nvidia/cublas/lib)."""
     import ctranslate2
 
     src_vocab, tgt_vocab = (Vocabulary.from_file(Path(ct2_dir, f"{name}.spm"))
@@ -83,7 +87,9 @@ def translate(ct2_dir: str, lines: list[str], beam: int, threads: int, layout: s
     src_pieces = [src_vocab.processor.id_to_piece(i) for i in range(len(src_vocab))]
     tgt_ids = {tgt_vocab.processor.id_to_piece(i): i for i in range(len(tgt_vocab))}
     inter, intra = (threads, 1) if layout == "inter" else (1, threads)
-    translator = ctranslate2.Translator(ct2_dir, device="cpu", compute_type=compute_type,
+    if device != "cpu":
+        inter, intra = 1, 1
+    translator = ctranslate2.Translator(ct2_dir, device=device, compute_type=compute_type,
                                        inter_threads=inter, intra_threads=intra)
     if length_penalty is None:
         length_penalty = TRANSLATION.alpha if beam > 1 else 0.0

@@ -51,7 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from attn_cli.formats import TRANSLATION
+from attn_cli.formats import BATCH_TOKENS, GPU_BATCH_TOKENS, TRANSLATION
 from benchmarks._harness import attn_command, decode_stats, log, read_bundled
 from benchmarks.machine import cpu_info
 
@@ -124,6 +124,10 @@ def main() -> None:
                         help="One-sentence decodes (and `import torch`) timed; 0: none.")
     parser.add_argument("--int8", action="store_true", help="attn --int8 against "
                         "CTranslate2 int8, with attn's float32 BLEU for the difference.")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: attn decode --device cuda (bf16 unless --extra names a "
+                        "--dtype) against CTranslate2 on the same GPU (bfloat16, int8_bfloat16 "
+                        "with --int8), both on attn's GPU batches")
     parser.add_argument("--no-reference", action="store_true",
                         help="Skip CTranslate2 even if it is installed.")
     parser.add_argument("--compile", action="store_true",
@@ -144,6 +148,12 @@ def main() -> None:
     extra = ["--threads", str(args.threads), *args.extra.split(),
              *(["--int8"] if args.int8 else [])]
     compute_type = "int8" if args.int8 else "float32"
+    batch_tokens = BATCH_TOKENS
+    if args.device == "cuda":
+        extra += ["--device", "cuda", *([] if "--dtype" in extra else ["--dtype", "bf16"])]
+        fp32 = extra[extra.index("--dtype") + 1] == "fp32"
+        compute_type = ("int8_" if args.int8 else "") + ("float32" if fp32 else "bfloat16")
+        batch_tokens = GPU_BATCH_TOKENS
     reference = None
     if not args.no_reference:
         # (from fc03f90 to here a bare `import ct2_reference` failed under `python -m`, and
@@ -191,7 +201,7 @@ def main() -> None:
                 if reference is not None:
                     outputs, seconds, tokens = reference.translate(
                         ct2_dir, lines, beam, args.threads, compute_type=compute_type,
-                        use_vmap=use_vmap)
+                        use_vmap=use_vmap, device=args.device, batch_tokens=batch_tokens)
                     ct2_runs.append({"output": outputs, "decode_s": seconds, "tokens": tokens,
                                      "sentences_per_s": len(lines) / seconds,
                                      "tokens_per_s": tokens / seconds})

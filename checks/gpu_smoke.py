@@ -35,6 +35,11 @@ Stages (each one PASS/FAIL/SKIP line on stderr with its numbers; a headline tabl
 10  DDP on a one-rank NCCL group (ATTN_DDP_ONE_RANK=1) against no DDP: accumulation, the bf16
     hook (--grad-sync bf16), a resume
 11  `pytest -m gpu` from the checkout
+12  the compiled step (issue 54): `--compile off` against `on` on WMT-shaped batches (busy
+    fraction, kernels per step, share of the matmul rate), the 3,125-token proxy in a one-rank
+    DDP, eager and compiled, and half and twice the batch (checks/gpu_smoke_compiled.py)
+13  decoding against CTranslate2 on the same GPU (benchmarks/decode_speed.py --device cuda;
+    a carried wheel where ctranslate2 is not installed: checks/gpu_smoke_compiled.py)
 
 Stages 5-6 SKIP with fewer than 2 GPUs; with --device cpu and ATTN_SMOKE_GPUS=2 they run
 torchrun on gloo CPU processes instead.
@@ -66,6 +71,7 @@ from .gpu_smoke_common import (
     set_progress,
     time_left,
 )
+from .gpu_smoke_compiled import compile_facts, stage_compiled_step, stage_decode_against_ct2
 from .gpu_smoke_decode import stage_decoding, stage_score_parse
 from .gpu_smoke_dist import (
     gpu_count,
@@ -152,7 +158,8 @@ STAGES = {0: ("environment", stage_environment), 1: ("kernels", stage_kernels),
           6: ("failure paths on 2+ GPUs", stage_failure_paths),
           7: ("decoding", stage_decoding), 8: ("score and parse", stage_score_parse),
           9: ("error lines", stage_errors), 10: ("DDP on a 1-rank group", stage_one_rank_ddp),
-          11: ("pytest -m gpu", stage_gpu_tests)}
+          11: ("pytest -m gpu", stage_gpu_tests), 12: ("compiled step", stage_compiled_step),
+          13: ("decoding against CTranslate2", stage_decode_against_ct2)}
 CUDA_ONLY = {0, 1}  # SKIP with --device cpu
 
 # The three calls of a fresh one-GPU machine, each well inside its 10 minutes (review §4):
@@ -166,11 +173,14 @@ CALLS = {
     # time is left: --stages 11,1 --deadline 195). 444 s on an H100 (benchmarks/README.md).
     "S": {"stages": [0, 2, 3, 10, 7], "steps": 400, "short_steps": 30, "wmt_steps": 60,
           "ddp_steps": 20},
+    # Issue 54's call, one command of at most 7 minutes: eager against compiled, the one-rank
+    # proxy, the batch sweep, decoding against CTranslate2 on the GPU, then pytest -m gpu.
+    "T": {"stages": [0, 2, 12, 13, 11], "steps": 200, "wmt_steps": 40, "deadline": 420},
 }
 # Seconds each stage takes on one H100 (the review's §4, and estimates for the new ones): what a
 # stage leaves for the stages after it in its call when it sizes its own training.
 ESTIMATES = {0: 20, 1: 60, 2: 30, 3: 330, 4: 100, 5: 150, 6: 90, 7: 150, 8: 90, 9: 20,
-             10: 90, 11: 90}
+             10: 90, 11: 90, 12: 200, 13: 100}
 
 
 def estimate(number: int, args) -> float:
@@ -197,8 +207,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work", type=Path, default=None, help="work files (default: "
                         "$TMPDIR/attn-gpu-smoke); a second call with the same --work reuses its "
                         "data and trained model")
-    parser.add_argument("--deadline", type=float, default=540,
-                        help="seconds: no stage or run starts that could not end by then")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds: no stage or run starts that could not end by then "
+                        "(default 540; call T's 420)")
     parser.add_argument("--steps", type=int, help="steps of stage 3's base training (default "
                         "800 for call A, 300 for B and C; 60 with --device cpu)")
     parser.add_argument("--short-steps", type=int, help="steps of each stage-3 variant "
@@ -233,6 +244,8 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"no stage {unknown}: stages are 0-{max(STAGES)}")
     args.no_variants = args.no_variants or call.get("no_variants", False)
+    if args.deadline is None:
+        args.deadline = call.get("deadline", 540)
     defaults = {"steps": 60 if cpu else call.get("steps", 800),
                 "short_steps": 10 if cpu else call.get("short_steps", 60),
                 "wmt_steps": 12 if cpu else call.get("wmt_steps", 100),
@@ -344,6 +357,25 @@ def headline(args) -> dict:
         else "(call B)"
     rows["search syncs per step"] = value(decoding, "search_syncs", "per_step") or (
         "(call B)" if on_gpu else "n/a on a CPU")
+    compiled = stage(12)
+    if compiled:
+        for name in ("eager", "compiled", "proxy_eager", "proxy_compiled"):
+            figures = compiled.get(name)
+            if isinstance(figures, dict):
+                rows[f"{name} ({figures['batch_tokens']:,} tokens): tok/s, ms/step, share of "
+                     "matmul, busy, kernels/step"] = [
+                    figures.get("tgt_tokens_per_s"), figures.get("ms_per_step"),
+                    figures.get("share_of_matmul"), figures.get("busy_fraction"),
+                    figures.get("kernels_per_step")]
+        rows["compiled / eager (batch, proxy)"] = [
+            compiled.get("speedups", {}).get("compiled_over_eager"),
+            compiled.get("speedups", {}).get("proxy_compiled_over_eager")]
+    else:
+        rows["compiled step"] = "(call T)"
+    against = stage(13)
+    rows["decode attn / CTranslate2 tokens/s (beam 4, greedy)"] = [
+        value(against, "runs", name, "attn_over_ct2") for name in ("beam4", "beam1")] \
+        if against.get("runs") else (against.get("summary") or "(call T)")
     return rows
 
 
@@ -455,7 +487,11 @@ def self_test() -> int:
         ["error: rank 1: waiting", "error: x"]
     for name, call in CALLS.items():
         args = parse_arguments(["out", "--call", name])
-        assert args.stage_list == call["stages"] and args.deadline == 540, name
+        assert args.stage_list == call["stages"], name
+        assert args.deadline == call.get("deadline", 540), name
+    assert compile_facts("train: each encoder and decoder layer compiled (torch.compile, "
+                         "dynamic shapes) in 31.5 s\ntrain: 14 graphs compiled in this run "
+                         "(--compile)") == {"compiled": True, "compile_s": 31.5, "graphs": 14}
     print(json.dumps({"self_test": "ok", "profile": one, "wmt_shaped": facts,
                       "params_touched": touched}))
     return 0

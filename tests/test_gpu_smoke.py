@@ -7,6 +7,7 @@ Its pure parts (the profile's busy time, the WMT-shaped data file) through its h
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -80,3 +81,29 @@ def test_several_gpu_stages_on_gloo_with_a_mocked_count(tmp_path):
                for line in stages["6"]["killed_rank"]["error_lines"])
     assert stages["6"]["too_many_processes"]["refused"]
     assert "PASS stage 6" in (out / "smoke.log").read_text()
+
+
+@pytest.mark.long
+def test_issue_54s_call_on_a_cpu(tmp_path):
+    """Call T with --device cpu --preset tiny: the compiled step's six runs (eager and
+    compiled, the one-rank proxy, half and twice the batch) and, where ctranslate2 is
+    installed, decoding against it; stage 0 and 11 SKIP without a GPU."""
+    out = tmp_path / "out"
+    result = smoke(Path(sys.executable), tmp_path, out, "--work", tmp_path / "work", "--call",
+                   "T", "--device", "cpu", "--preset", "tiny", "--lines", 400,
+                   "--vocab-size", 250, timeout=600)
+    stages = json.loads((out / "results.json").read_text())["stages"]
+    failed = {number: stage.get("summary") for number, stage in stages.items()
+              if stage.get("status") == "FAIL"}
+    assert result.returncode == 0, (failed, result.stderr[-1500:])
+    compiled = stages["12"]
+    assert compiled["status"] == "PASS"
+    assert compiled["compiled"]["compiled"] and not compiled["eager"]["compiled"]
+    assert compiled["proxy_compiled"]["compiled"] and compiled["compiled"]["graphs"] > 0
+    assert {"compiled_over_eager", "proxy_compiled_over_eager"} <= set(compiled["speedups"])
+    for name in ("eager", "compiled", "proxy_eager", "proxy_compiled", "half_batch",
+                 "double_batch"):
+        assert compiled[name]["exit"] == 0 and compiled[name]["steps"] == 12, name
+    if importlib.util.find_spec("ctranslate2") is not None:
+        assert stages["13"]["status"] == "PASS", stages["13"]
+        assert set(stages["13"]["runs"]) == {"beam4", "beam1"}
