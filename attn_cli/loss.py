@@ -41,9 +41,6 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, epsilon: float,
     return smoothed, nll
 
 
-# Left out of torch.compile's graphs (`torch.compile(model)` stops before it and goes on after):
-# dynamo cannot trace an autograd.Function whose forward computes its gradients.
-@torch.compiler.disable
 def projected_label_smoothed_loss(hidden: Tensor, weight: Tensor, target: Tensor,
                                   epsilon: float, block_rows: int | None = None
                                   ) -> tuple[Tensor, Tensor]:

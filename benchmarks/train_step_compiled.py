@@ -115,6 +115,13 @@ def run_mode(mode: str, args, config, shapes, device) -> dict:
             return projected_label_smoothed_loss(hidden, model.tgt_embed.weight, targets,
                                                  label_smoothing)
     elif mode.startswith("compile"):
+        # dynamo cannot trace the fused loss (an autograd.Function whose forward computes its
+        # gradients): kept out of the graph, the model's forward calls it eagerly between two
+        # graphs (not in attn_cli itself, where the decorator would import dynamo at start-up)
+        import attn_cli.model
+
+        attn_cli.model.projected_label_smoothed_loss = torch.compiler.disable(
+            projected_label_smoothed_loss)
         forward = torch.compile(model, mode="reduce-overhead" if mode == "compile-ro" else None)
     generator = torch.Generator().manual_seed(2)
     batches = [make_batch(shape, config.src_vocab_size, config, device, generator)
