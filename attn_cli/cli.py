@@ -805,6 +805,12 @@ def serve(
                                           show_envvar=True, help="Answer only requests that "
                                           "carry this key (Authorization: Bearer KEY, "
                                           "X-API-Key, or an api_key field); 401 otherwise."),
+    api_keys: Optional[Path] = typer.Option(
+        None, "--api-keys", metavar="FILE", help="Answer only requests that carry one of this "
+        "file's keys, each with its own limits: a line per key, `NAME KEY REQUESTS/MINUTE "
+        "CHARS/REQUEST` (0 requests: no limit; -: --req-limit or --char-limit), # comments. "
+        "Read again when it changes and on SIGHUP, no restart; /metrics counts each key's "
+        "requests by its name. With --api-key too, both are taken."),
     max_body: int = typer.Option(SERVE_DEFAULTS["max_body"], "--max-body", min=1,
                                  help="Largest request body, in bytes (413 above)."),
     max_lines: int = typer.Option(SERVE_DEFAULTS["max_lines"], "--max-lines", min=1,
@@ -905,7 +911,8 @@ def serve(
     from .serve.server import serve as run_server
 
     options = ServeOptions(host=host, port=port, name=name, langs=parse_langs(langs),
-                           api_key=api_key or None, max_body=max_body, max_lines=max_lines,
+                           api_key=api_key or None, api_keys=api_keys, max_body=max_body,
+                           max_lines=max_lines,
                            max_line_chars=max_line_chars, char_limit=char_limit,
                            queue_lines=queue_lines,
                            max_beam=max_beam, gather_ms=gather_ms,

@@ -409,6 +409,8 @@ class ServeOptions:
     name: str | None = None  # the model's id in requests and /v1/models (default: file stems)
     langs: tuple[str, str] | None = None  # (source, target) codes
     api_key: str | None = None
+    # a file of API keys, each with its own request rate and character limit (serve/keys.py)
+    api_keys: Path | None = None
     max_body: int = 1 << 20  # bytes
     max_lines: int = 1000  # lines (split: sentences) searched for one request
     max_line_chars: int = 10_000

@@ -19,7 +19,7 @@ rendered with their translations and alignments (`libre_texts`, `aligned_outputs
 
 from __future__ import annotations
 
-import hmac
+import dataclasses
 import json
 import math
 import os
@@ -151,20 +151,27 @@ def _text(body: bytes) -> str:
 # ---------------------------------------------------------------------------------- the checks
 
 
-def check_key(expected: str | None, headers: Mapping[str, str], fields: dict | None = None
-              ) -> None:
-    """With --api-key: the key as 'Authorization: Bearer KEY', an X-API-Key header, or an
-    `api_key` field (LibreTranslate's way). `headers`: looked up by lower-case name."""
-    if not expected:
-        return
+def check_key(keys, options: ServeOptions, headers: Mapping[str, str],
+              fields: dict | None = None) -> ServeOptions:
+    """With --api-key or --api-keys (serve/keys.py's Keys): the key as 'Authorization: Bearer
+    KEY', an X-API-Key header, or an `api_key` field (LibreTranslate's way); 401 without one
+    the server takes. Returns the options the request is held to: the server's, with the key's
+    own character limit where --api-keys gives it one. `headers`: looked up by lower-case
+    name."""
+    if keys is None or not keys.required:
+        return options
     bearer = headers.get("authorization", "")
     candidates = [bearer[7:].strip() if bearer[:7].lower() == "bearer " else None,
                   headers.get("x-api-key"), (fields or {}).get("api_key")]
-    if not any(isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
-               for given in candidates):
-        raise Problem(401, "this server needs its API key: send 'Authorization: Bearer KEY', "
-                      "an 'X-API-Key: KEY' header, or an api_key field",
+    found = next((key for key in (keys.find(given) for given in candidates
+                                  if isinstance(given, str)) if key is not None), None)
+    if found is None:
+        raise Problem(401, "this server needs an API key it knows: send 'Authorization: Bearer "
+                      "KEY', an 'X-API-Key: KEY' header, or an api_key field",
                       {"WWW-Authenticate": "Bearer"})
+    if found.char_limit is None:
+        return options
+    return dataclasses.replace(options, char_limit=found.char_limit)
 
 
 def check_lines(lines: list, field: str, options: ServeOptions) -> None:
@@ -857,7 +864,8 @@ def frontend_settings(options: ServeOptions, served: Sequence[Served]) -> dict:
     first = next((model.langs for model in served if model.langs is not None), None)
     source, target = first or ("auto", "")
     return {"charLimit": options.char_limit, "frontendTimeout": 500,
-            "apiKeys": bool(options.api_key), "keyRequired": bool(options.api_key),
+            "apiKeys": bool(options.api_key or options.api_keys),
+            "keyRequired": bool(options.api_key or options.api_keys),
             "suggestions": False, "filesTranslation": True,
             "supportedFilesFormat": list(FILE_FORMATS),
             "language": {"source": {"code": source, "name": LANGUAGE_NAMES.get(source, source)},

@@ -10,7 +10,8 @@
   line itself; a request's lines found there skip the search (`Operations.look_up`), and are
   answered exactly what the search answered the first time.
 - `RequestRate`: a token bucket per client (the API key it sends in a header, else its address):
-  `--req-limit` requests at once, then one every 60 / N seconds; past it, 429 with Retry-After.
+  `--req-limit` requests at once (or the key's own rate, from `--api-keys`), then one every
+  60 / N seconds; past it, 429 with Retry-After.
 - `OperationsMiddleware`: the ASGI wrapper that serves /metrics, refuses what is over the rate,
   and counts every request; it sits inside server.py's RequestLog, so each is logged too.
 
@@ -72,7 +73,15 @@ class Metrics:
                                  "sentences, where a text is cut into them) translated, by "
                                  "the search or from the cache", **into)
         self.rate_limited = Counter("attn_serve_rate_limited_requests", "Requests refused 429, "
-                                    "over --req-limit", **into)
+                                    "over --req-limit or an API key's rate", **into)
+        # by the key's name in --api-keys (or "api-key" for --api-key's), never its value; a
+        # key sent in the body (LibreTranslate's api_key field) is not counted here
+        self.key_requests = Counter("attn_serve_key_requests", "Requests that carried an API "
+                                    "key in a header, by the key's name and the status",
+                                    ["key", "status"], **into)
+        self.key_rate_limited = Counter("attn_serve_key_rate_limited_requests", "Requests "
+                                        "refused 429 over their API key's rate, by the key's "
+                                        "name", ["key"], **into)
         self.cache_hits = Counter("attn_serve_cache_hits", "Lines answered from the cache",
                                   **into)
         self.cache_misses = Counter("attn_serve_cache_misses", "Lines looked up in the cache "
@@ -185,26 +194,31 @@ class Lookup:
 
 class RequestRate:
     """A token bucket per client: `per_minute` requests at once, then one more every
-    60 / per_minute seconds. `clock()`: seconds, monotonic (tests pass their own)."""
+    60 / per_minute seconds (a client may have its own `per_minute`: an API key's, from
+    --api-keys; 0 is no limit). `clock()`: seconds, monotonic (tests pass their own)."""
 
     def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic):
         self.per_minute, self.clock = per_minute, clock
-        self.refill = per_minute / 60  # tokens a second
-        self._buckets: dict = {}  # client → (tokens, when they were counted)
+        self._buckets: dict = {}  # client → (tokens, when they were counted, its per_minute)
         self._lock = threading.Lock()
         self._pruned = clock()
 
-    def wait(self, client) -> float:
+    def wait(self, client, per_minute: int | None = None) -> float:
         """0.0, and one request of `client` counted, if it may send one now; else the seconds
-        until it may (nothing counted: a refused request costs no token)."""
+        until it may (nothing counted: a refused request costs no token). `per_minute`: the
+        client's own rate (default: the server's)."""
+        rate = self.per_minute if per_minute is None else per_minute
+        if rate == 0:
+            return 0.0
+        refill = rate / 60  # tokens a second
         with self._lock:
             now = self.clock()
-            tokens, counted = self._buckets.get(client, (self.per_minute, now))
-            tokens = min(self.per_minute, tokens + (now - counted) * self.refill)
+            tokens, counted, _ = self._buckets.get(client, (rate, now, rate))
+            tokens = min(rate, tokens + (now - counted) * refill)
             if tokens < 1:
-                self._buckets[client] = (tokens, now)
-                return (1 - tokens) / self.refill
-            self._buckets[client] = (tokens - 1, now)
+                self._buckets[client] = (tokens, now, rate)
+                return (1 - tokens) / refill
+            self._buckets[client] = (tokens - 1, now, rate)
             if now - self._pruned > 60:
                 self._prune(now)
             return 0.0
@@ -213,29 +227,31 @@ class RequestRate:
         """Forget the clients whose bucket has refilled (a full one is as good as none; any
         refills within a minute), so that memory follows the clients of the last minute or
         two, not all there ever were. Once a minute: each client costs its entry's check."""
-        self._buckets = {client: (tokens, counted)
-                         for client, (tokens, counted) in self._buckets.items()
-                         if tokens + (now - counted) * self.refill < self.per_minute}
+        self._buckets = {client: (tokens, counted, rate)
+                         for client, (tokens, counted, rate) in self._buckets.items()
+                         if tokens + (now - counted) * rate / 60 < rate}
         self._pruned = now
 
     def __len__(self) -> int:
         return len(self._buckets)
 
 
-def client_of(scope: dict, api_key: str | None):
-    """Whose bucket a request draws on: the server's API key's, where the request carries it in
-    a header, else its address's. A key the server does not take counts as none: a client
-    cannot get a fresh bucket by making keys up. (A key sent as LibreTranslate's `api_key` field
-    is in the body, not yet read here: such requests count by address.)"""
-    if api_key:
+def client_of(scope: dict, keys) -> tuple[tuple, object]:
+    """Whose bucket a request draws on, and its key (serve/keys.py's Key, or None): the API
+    key's it carries in a header, where the server takes that key, else its address's. A key
+    the server does not take counts as none: a client cannot get a fresh bucket by making keys
+    up. (A key sent as LibreTranslate's `api_key` field is in the body, not yet read here: such
+    requests count by address.)"""
+    if keys is not None and keys.required:
         for name, value in scope.get("headers", ()):
             given = (value[7:].strip() if name == b"authorization"
                      and value[:7].lower() == b"bearer " else value if name == b"x-api-key"
                      else None)
-            if given is not None and hmac.compare_digest(given, api_key.encode()):
-                return "key"
+            key = keys.find(given) if given is not None else None
+            if key is not None:
+                return ("key", key.name), key
     client = scope.get("client")
-    return ("address", client[0] if client else "unknown")
+    return ("address", client[0] if client else "unknown"), None
 
 
 # ------------------------------------------------------------------------------ the operations
@@ -245,12 +261,14 @@ class Operations:
     """The metrics, the cache (None with --cache-lines 0) and the rate (None without
     --req-limit) of one service, and what the service and its app call of them."""
 
-    def __init__(self, options, queue: Callable):
+    def __init__(self, options, queue: Callable, keys=None):
         lines = options.cache_lines
         self.cache = TranslationCache(lines, lines * CACHE_CHARS_PER_LINE) if lines else None
-        self.rate = RequestRate(options.req_limit) if options.req_limit else None
+        # a rate per client with --req-limit, or where --api-keys gives a key its own
+        self.rate = RequestRate(options.req_limit) \
+            if options.req_limit or getattr(options, "api_keys", None) else None
         self.metrics = Metrics(queue, self.cache)
-        self.api_key, self.metrics_token = options.api_key, options.metrics_auth_token
+        self.keys, self.metrics_token = keys, options.metrics_auth_token
 
     def look_up(self, translator, lines: list[str], controls: list | None = None) -> Lookup:
         """The lines of a request to be searched with `translator`, against the cache, each
@@ -309,18 +327,25 @@ class OperationsMiddleware:
                 status[0] = message["status"]
             await send(message)
 
+        key = None
         try:
             if path == "/metrics":
                 await self._metrics(scope, sending)
                 return
+            client, key = client_of(scope, operations.keys)
             if operations.rate is not None and path not in UNLIMITED_PATHS:
-                wait = operations.rate.wait(client_of(scope, operations.api_key))
+                own = key.requests_per_minute if key is not None else None
+                wait = operations.rate.wait(client, own)
                 if wait > 0:
                     operations.metrics.rate_limited.inc()
-                    limit = operations.rate.per_minute
+                    if key is not None:
+                        operations.metrics.key_rate_limited.labels(key.name).inc()
+                    limit = operations.rate.per_minute if own is None else own
+                    whose = (f"from the key {key.name!r} (--api-keys)" if own is not None
+                             else f"from each client (--req-limit {limit})")
                     await respond(sending, 429, json_body(
-                        f"too many requests: this server answers {limit} a minute from each "
-                        f"client (--req-limit {limit}); try again in {math.ceil(wait)} s"),
+                        f"too many requests: this server answers {limit} a minute {whose}; "
+                        f"try again in {math.ceil(wait)} s"),
                         {"retry-after": str(math.ceil(wait))})
                     return
             await self.app(scope, receive, sending)
@@ -328,6 +353,8 @@ class OperationsMiddleware:
             operations.metrics.request_done(
                 path if path in self.paths else "other", status[0],
                 time.perf_counter() - started, scope.get("state", {}).get("lines"))
+            if key is not None:
+                operations.metrics.key_requests.labels(key.name, str(status[0] or "none")).inc()
 
     async def _metrics(self, scope, send) -> None:
         token = self.operations.metrics_token

@@ -53,6 +53,7 @@ from ..formats import MODEL_FORMAT
 from . import api
 from .api import Problem
 from .downloads import FILE_SECONDS, Downloads
+from .keys import Keys
 from .operations import Operations
 
 EXTRA = "pip install 'attn[serve]'"
@@ -133,8 +134,10 @@ class Service:
         self.failure: str | None = None
         self.requests = itertools.count(1)
         self.lines_translated = 0
-        # /metrics, the translation cache and --req-limit (operations.py)
-        self.operations = Operations(options, lambda: self.queue)
+        # --api-key's one key, --api-keys' file of keys with their own limits (keys.py)
+        self.keys = Keys(options.api_key, options.api_keys)
+        # /metrics, the translation cache and the request rates (operations.py)
+        self.operations = Operations(options, lambda: self.queue, self.keys)
 
     @property
     def ready(self) -> bool:
@@ -256,6 +259,12 @@ class Service:
         stop costing within a search step) and the request refused."""
         gone = asyncio.ensure_future(client_gone())
         every = asyncio.gather(*answers)
+        # Whatever ends them, their outcome is read: a gather cancelled before its answers ends
+        # with a CancelledError set as its exception (Python 3.11), and a future whose exception
+        # nobody reads is logged with a traceback when collected ("_GatheringFuture exception
+        # was never retrieved"), long after the client went away.
+        for future in (gone, every):
+            future.add_done_callback(_outcome_read)
         timeout = self.options.request_timeout
         try:
             await asyncio.wait({every, gone}, timeout=timeout,
@@ -331,6 +340,12 @@ def _resolve(future, job) -> None:
         future.set_result(job)
 
 
+def _outcome_read(future) -> None:
+    """A done callback: the future's exception, if it has one, counted as read."""
+    if not future.cancelled():
+        future.exception()
+
+
 # ------------------------------------------------------------------------------- the endpoints
 # Each reads the Service from `request.app.state.service`, the body through `read_body`, and
 # leaves the rest to api.py; a Problem it raises becomes the JSON error answer (`endpoint`).
@@ -350,7 +365,7 @@ async def health(request):
 
 async def models(request):
     service = request.app.state.service
-    api.check_key(service.options.api_key, request.headers)
+    api.check_key(service.keys, service.options, request.headers)
     return answer({"object": "list", "data": [service.describe(model)
                                               for model in service.models]})
 
@@ -358,13 +373,13 @@ async def models(request):
 async def translate_v1(request):
     service = request.app.state.service
     fields = api.json_fields(await read_body(request, service.options.max_body))
-    api.check_key(service.options.api_key, request.headers, fields)
-    asked = api.v1_request(fields, service.options, service.served)
+    options = api.check_key(service.keys, service.options, request.headers, fields)
+    asked = api.v1_request(fields, options, service.served)
     controls = api.v1_controls(fields, asked)
     if asked.split:
         source = asked.model.langs[0] if asked.model.langs else None
         routes = [api.Route(asked.model, source)] * len(asked.lines)
-        split = api.split_sentences(asked.lines, [source] * len(asked.lines), service.options,
+        split = api.split_sentences(asked.lines, [source] * len(asked.lines), options,
                                     "text", asked.single)
         outputs, nbest = await _translate_split(request, split, routes, asked.settings,
                                                 controls)
@@ -406,26 +421,27 @@ async def translate_libre(request):
     service = request.app.state.service
     body = await read_body(request, service.options.max_body)
     fields = api.libre_fields(request.headers.get("content-type", ""), body)
-    api.check_key(service.options.api_key, request.headers, fields)
-    asked = api.libre_request(fields, service.options, service.default_beam)
+    options = api.check_key(service.keys, service.options, request.headers, fields)
+    asked = api.libre_request(fields, options, service.default_beam)
     # HTML is slow to read (about 1 s for a 600 KB page): off the event loop. Texts within
     # --char-limit are split in place (a thread hop would cost short requests more).
     outputs, routes = await _translate_texts(request, asked.texts, asked.source, asked.target,
                                              asked.html, asked.settings, "q", asked.single,
-                                             off_loop=asked.html)
+                                             off_loop=asked.html, options=options)
     return answer(api.libre_answer(asked, outputs, routes))
 
 
 async def _translate_texts(request, texts: list[str], source: str, target: str, html: bool,
-                           settings: dict, field: str, single: bool, off_loop: bool
-                           ) -> tuple[list, list]:
-    """LibreTranslate's texts translated (`api.libre_texts`, in a thread if `off_loop`): each
-    text's outputs (`api.joined_outputs`' shape) and routes."""
+                           settings: dict, field: str, single: bool, off_loop: bool,
+                           options) -> tuple[list, list]:
+    """LibreTranslate's texts translated (`api.libre_texts`, in a thread if `off_loop`) under
+    `options` (the server's, or its API key's: `api.check_key`): each text's outputs
+    (`api.joined_outputs`' shape) and routes."""
     service = request.app.state.service
 
     def prepare() -> api.Texts:
         return api.libre_texts(texts, source, target, html, service.served, service.detect,
-                               service.options, field, single)
+                               options, field, single)
 
     prepared = await asyncio.to_thread(prepare) if off_loop else prepare()
     if html:
@@ -440,8 +456,8 @@ async def detect(request):
     service = request.app.state.service
     body = await read_body(request, service.options.max_body)
     fields = api.libre_fields(request.headers.get("content-type", ""), body)
-    api.check_key(service.options.api_key, request.headers, fields)
-    text = api.detect_request(fields, service.options)
+    options = api.check_key(service.keys, service.options, request.headers, fields)
+    text = api.detect_request(fields, options)
     candidates = api.source_languages(service.served)
     if not candidates:
         raise Problem(400, "this server does not know the language it translates from "
@@ -464,11 +480,12 @@ async def translate_file(request):
         raise Problem(400, "Invalid request: send the file as multipart/form-data (fields "
                       "file, source, target)")
     fields, files = api.multipart_fields(content_type, body)
-    api.check_key(service.options.api_key, request.headers, fields)
+    options = api.check_key(service.keys, service.options, request.headers, fields)
     asked = api.file_request(fields, files)
     # a file may be long (--max-body): detected and read off the event loop
     outputs, _ = await _translate_texts(request, [asked.text], asked.source, asked.target,
-                                        asked.html, {}, "file", True, off_loop=True)
+                                        asked.html, {}, "file", True, off_loop=True,
+                                        options=options)
     translated = ("\ufeff" if asked.bom else "") + outputs[0][0][1]
     stored = await asyncio.to_thread(service.downloads.add, api.download_name(asked.name),
                                      translated.encode("utf-8"))
@@ -709,6 +726,10 @@ def serve(model_values: list[str], options: ServeOptions, load, log) -> None:
     # is an exit with status 0 (a second Ctrl-C still cuts the wait for open requests short).
     handlers = {number: signal.signal(number, lambda *_: None)
                 for number in (signal.SIGTERM, signal.SIGINT)}
+    if options.api_keys is not None and hasattr(signal, "SIGHUP"):  # --api-keys read again
+        handlers[signal.SIGHUP] = signal.signal(
+            signal.SIGHUP, lambda *_: threading.Thread(target=service.keys.reload,
+                                                       daemon=True).start())
     try:
         asyncio.run(_serve_while_loading(server, sock, service))
     finally:

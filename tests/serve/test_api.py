@@ -23,6 +23,7 @@ from attn_cli.search import Hypothesis
 from attn_cli.serve import api
 from attn_cli.serve.api import Problem
 from attn_cli.serve.downloads import Downloads
+from attn_cli.serve.keys import Keys
 from attn_cli.serve.server import model_groups
 
 from .client import multipart
@@ -126,17 +127,32 @@ def test_libre_fields_a_form_or_json():
 
 
 def test_the_api_key_in_any_of_its_three_places():
-    api.check_key(None, {})  # no key: open
-    api.check_key("k", {"authorization": "Bearer k"})
-    api.check_key("k", {"authorization": "bearer  k "})
-    api.check_key("k", {"x-api-key": "k"})
-    api.check_key("k", {}, {"api_key": "k"})
+    options = ServeOptions()
+    assert api.check_key(Keys(), options, {}) is options  # no key: open
+    keys = Keys("k")
+    for headers, fields in (({"authorization": "Bearer k"}, None),
+                            ({"authorization": "bearer  k "}, None), ({"x-api-key": "k"}, None),
+                            ({}, {"api_key": "k"})):
+        assert api.check_key(keys, options, headers, fields) is options
     for headers, fields in (({}, None), ({"authorization": "Bearer wrong"}, None),
                             ({"authorization": "k"}, None), ({}, {"api_key": 7})):
         with pytest.raises(Problem) as problem:
-            api.check_key("k", headers, fields)
+            api.check_key(keys, options, headers, fields)
         assert problem.value.status == 401
         assert problem.value.headers == {"WWW-Authenticate": "Bearer"}
+
+
+def test_a_key_of_the_key_file_holds_a_request_to_its_own_character_limit(tmp_path):
+    path = tmp_path / "keys.txt"
+    path.write_text("small key-s 0 20\nplain key-p 0 -\n")
+    options = ServeOptions(char_limit=1000, api_keys=path)
+    keys = Keys(path=path)
+    assert api.check_key(keys, options, {"x-api-key": "key-p"}) is options
+    small = api.check_key(keys, options, {}, {"api_key": "key-s"})
+    assert small.char_limit == 20 and small.max_lines == options.max_lines
+    with pytest.raises(Problem) as problem:
+        api.libre_request({"q": "x" * 21, "source": "en", "target": "de"}, small, 4)
+    assert problem.value.status == 400 and "20" in problem.value.message
 
 
 @pytest.mark.parametrize("lines, status, message", [

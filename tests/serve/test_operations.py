@@ -17,6 +17,7 @@ import pytest
 
 from attn_cli.config import ServeOptions
 from attn_cli.decode.options import DecodeOptions
+from attn_cli.serve.keys import Key, Keys
 from attn_cli.serve.operations import (
     METRICS_CONTENT_TYPE,
     Operations,
@@ -161,10 +162,51 @@ def test_a_client_is_the_server_s_key_if_it_sends_it_in_a_header_else_its_addres
         return {"headers": [(name, value) for name, value in headers],
                 "client": ("10.0.0.7", 5000)}
 
-    assert client_of(scope((b"x-api-key", b"K")), "K") == "key"
-    assert client_of(scope((b"authorization", b"Bearer K")), "K") == "key"
-    assert client_of(scope((b"x-api-key", b"made up")), "K") == ("address", "10.0.0.7")
-    assert client_of(scope((b"x-api-key", b"K")), None) == ("address", "10.0.0.7")
+    single = Keys("K")
+    assert client_of(scope((b"x-api-key", b"K")), single) == (("key", "api-key"),
+                                                                Key("api-key"))
+    assert client_of(scope((b"authorization", b"Bearer K")), single)[0] == ("key", "api-key")
+    assert client_of(scope((b"x-api-key", b"made up")), single) == (("address", "10.0.0.7"),
+                                                                     None)
+    assert client_of(scope((b"x-api-key", b"K")), Keys()) == (("address", "10.0.0.7"), None)
+
+
+def test_a_key_of_its_own_rate_has_its_own_bucket_and_0_is_no_limit():
+    now = [0.0]
+    rate = RequestRate(per_minute=60, clock=lambda: now[0])
+    assert [rate.wait("a", 2) for _ in range(3)][-1] == pytest.approx(30.0)
+    assert all(rate.wait("b", 0) == 0.0 for _ in range(100))
+    assert all(rate.wait("c") == 0.0 for _ in range(60)) and rate.wait("c") > 0
+
+
+def test_two_keys_are_each_refused_429_at_their_own_rate_and_counted_by_name(tmp_path):
+    """--api-keys: the key "slow" may send 2 requests a minute, "fast" 5, an address the
+    server's --req-limit 3; each is refused past its own, and /metrics counts each key's
+    requests and refusals under its name, never its value."""
+    path = tmp_path / "keys.txt"
+    path.write_text("slow key-slow 2 -\nfast key-fast 5 -\n")
+    queue = SimpleNamespace(waiting=0, searching=0)
+    options = ServeOptions(req_limit=3, api_keys=path)
+    ops = Operations(options, lambda: queue, Keys(path=path))
+    app = ops.middleware(translated, ["/v1/translate"])
+
+    def statuses(headers, count):
+        return [call_app(app, "POST", "/v1/translate", headers)[0] for _ in range(count)]
+
+    assert statuses([(b"x-api-key", b"key-slow")], 3) == [200, 200, 429]
+    assert statuses([(b"authorization", b"Bearer key-fast")], 6) == [200] * 5 + [429]
+    assert statuses([], 4) == [200] * 3 + [429]
+    status, headers, body = call_app(app, "POST", "/v1/translate", [(b"x-api-key", b"key-slow")])
+    assert status == 429 and int(headers[b"retry-after"]) <= 30
+    assert "2 a minute from the key 'slow' (--api-keys)" in json.loads(body)["error"]
+    text = call_app(app, "GET", "/metrics")[2].decode()
+    counted = samples(text)
+    by_key = "attn_serve_key_requests_total"
+    assert counted[(by_key, (("key", "slow"), ("status", "200")))] == 2
+    assert counted[(by_key, (("key", "slow"), ("status", "429")))] == 2
+    assert counted[(by_key, (("key", "fast"), ("status", "429")))] == 1
+    assert counted[("attn_serve_key_rate_limited_requests_total", (("key", "slow"),))] == 2
+    assert "key-slow" not in text and "key-fast" not in text
 
 
 # ----------------------------------------------------------------------------- the middleware
@@ -320,3 +362,47 @@ def test_the_request_past_the_limit_is_429_with_retry_after(server):
     assert call(server, "GET", "/health")[0] == 200  # never limited
     assert call(server, "GET", "/v1/models", headers=KEY)[0] == 200  # the key's own bucket
     assert scrape(server)[("attn_serve_rate_limited_requests_total", ())] == 1
+
+
+@pytest.mark.slow
+def test_a_key_file_changed_on_disk_or_told_by_sighup_takes_effect_without_a_restart(
+        trained, tmp_path):
+    """`attn serve --api-keys FILE`: a key added to the file answers within a few seconds of
+    the change, a key removed is refused (401), a file broken on the way keeps the keys it had
+    (one log line), and SIGHUP reads it at once; each key holds to its own characters."""
+    import signal
+    import time
+
+    model, _ = trained
+    path = tmp_path / "keys.txt"
+    path.write_text("first key-1 0 12\n")
+    process = Server([sys.executable, "-m", "attn_cli", "serve", "-m", str(model), "--port",
+                      "0", "--threads", "1", "--api-keys", str(path)])
+    try:
+        process.wait_ready()
+
+        def status(key, text="A dog runs."):
+            return call(process, "POST", "/translate", {"q": text, "source": "en",
+                                                        "target": "de", "api_key": key})[0]
+
+        def until(key, wanted):
+            deadline = time.monotonic() + 10
+            while status(key) != wanted and time.monotonic() < deadline:
+                time.sleep(0.2)
+            return status(key)
+
+        assert status("key-1") == 200 and status("key-2") == 401
+        assert status("key-1", "A dog runs fast.") == 400  # 16 characters, over its 12
+        path.write_text("second key-2 0 -\n")
+        assert until("key-2", 200) == 200 and status("key-1") == 401
+        path.write_text("second key-2 zero -\n")
+        time.sleep(1.5)
+        assert status("key-2") == 200  # the broken file: the keys it had
+        assert any("line 1: requests a minute must be" in line for line in process.log)
+        path.write_text("third key-3 0 -\n")
+        process.process.send_signal(signal.SIGHUP)
+        assert until("key-3", 200) == 200
+        assert any("read again (SIGHUP)" in line or "read again (changed on disk)" in line
+                   for line in process.log)
+    finally:
+        assert process.stop() == 0

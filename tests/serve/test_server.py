@@ -627,3 +627,55 @@ def test_nothing_imports_torch_before_the_server_tunes_the_process(trained):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
     assert result.stdout == "False\n", result.stderr
+
+
+@pytest.mark.parametrize("ending", ["the client hangs up", "the deadline passes",
+                                    "the request is cancelled"])
+def test_a_request_called_off_leaves_no_unread_exception_behind(ending):
+    """However a request's wait ends before its answers (Service._answered), no future is left
+    with an exception nobody read: asyncio would log it with a traceback when it is collected
+    ("_GatheringFuture exception was never retrieved", seen in a server's log after a client
+    hung up on a long search)."""
+    import gc
+    import types
+
+    from attn_cli.serve.api import Problem
+    from attn_cli.serve.server import Service
+
+    cancelled = []
+    service = types.SimpleNamespace(
+        options=types.SimpleNamespace(request_timeout=0.05 if "deadline" in ending else 30),
+        queue=types.SimpleNamespace(cancel=cancelled.append))
+    logged = []
+
+    async def request():
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda loop, context: logged.append(context["message"]))
+        answers = [loop.create_future(), loop.create_future()]
+
+        async def client_gone():
+            if "hangs up" in ending:
+                return
+            await asyncio.sleep(60)
+
+        waiting = asyncio.ensure_future(Service._answered(service, ["job 1", "job 2"], answers,
+                                                          client_gone))
+        if "cancelled" in ending:
+            await asyncio.sleep(0.05)
+            waiting.cancel()
+        try:
+            await waiting
+        except (Problem, asyncio.CancelledError) as error:
+            status = getattr(error, "status", "cancelled")
+        await asyncio.sleep(0.05)  # the callbacks of what was cancelled
+        del waiting
+        gc.collect()
+        await asyncio.sleep(0)
+        return status
+
+    status = asyncio.run(request())
+    assert status == {"the client hangs up": 499, "the deadline passes": 504,
+                      "the request is cancelled": "cancelled"}[ending]
+    assert cancelled == ["job 1", "job 2"]
+    gc.collect()
+    assert logged == []
