@@ -854,10 +854,16 @@ def serve(
         SERVE_DEFAULTS["max_header_bytes"], "--max-header-bytes", min=1,
         help="Largest request line and headers, in bytes (431 above)."),
     max_request_tokens: int = typer.Option(
-        SERVE_DEFAULTS["max_request_tokens"], "--max-request-tokens", min=1,
-        help="Most output tokens one request's search may produce, every beam counted: the "
-        "sum over its lines of beam × (max_len_a × source tokens + max_len_b); 422 above, "
-        "before any search."),
+        SERVE_DEFAULTS["max_request_tokens"], "--max-request-tokens", min=0,
+        help="Most hypothesis steps one request's search may take, every beam counted: the "
+        "sum over its lines of beam × (max_len_a × source tokens + max_len_b), the later "
+        "positions weighed more (they read a longer cache); 422 above, before any search. "
+        "0: what one search worker does in --max-request-seconds here, measured at load."),
+    max_request_seconds: float = typer.Option(
+        SERVE_DEFAULTS["max_request_seconds"], "--max-request-seconds",
+        help="With --max-request-tokens 0 (the default): the seconds of one search worker a "
+        "request's search may cost at most, turned into steps by a search timed when the "
+        "model loads (the log's ready line says how many)."),
     request_timeout: float = typer.Option(
         SERVE_DEFAULTS["request_timeout"], "--request-timeout", min=0.0,
         help="Seconds a request may wait and be searched (504 past them; its search stops "
@@ -920,6 +926,7 @@ def serve(
                            body_timeout=body_timeout, idle_timeout=idle_timeout,
                            max_header_bytes=max_header_bytes,
                            max_request_tokens=max_request_tokens,
+                           max_request_seconds=max_request_seconds,
                            request_timeout=request_timeout, cache_lines=cache_lines,
                            req_limit=req_limit,
                            metrics_auth_token=metrics_auth_token or None)

@@ -432,12 +432,14 @@ class ServeOptions:
     body_timeout: float = 30.0
     idle_timeout: float = 5.0
     max_header_bytes: int = 16_384
-    # The most output tokens one request's search may produce, every beam counted: its lines'
-    # sum of beam (1 sampling) × longest allowed output (max_len_a × source tokens +
-    # max_len_b). 1,000 lines of up to 200 tokens at beam 4 and the default lengths pass
-    # (4 × 250 each); 32 beams of 4,096 tokens pass on 7 lines, not on 8 (one such line takes
-    # long: its bound is --request-timeout).
-    max_request_tokens: int = 1_000_000
+    # What one request's search may cost (Translator.search_work: hypothesis steps, every beam
+    # counted, each position weighed by the cache it reads): max_request_tokens where given,
+    # else what one search worker does in max_request_seconds on this machine and model,
+    # measured when the model loads (the demo model on one Zen 4 thread: ~4,500 a second,
+    # so 5 s is ~22,600: a request of --char-limit's 10,000 characters at beam 4 passes, one
+    # line at beam 32 to 4,096 positions, 1.3 million, is refused at once).
+    max_request_tokens: int = 0
+    max_request_seconds: float = 5.0
     # Seconds a request may wait and be searched once its body is read (504 past them): far
     # above a request of --max-lines at the defaults (the demo model decodes 1,000 lines at
     # beam 4 in 4-5 s on 2 cores: benchmarks/README.md).
@@ -459,6 +461,9 @@ class ServeOptions:
             if not 0 < seconds < math.inf:  # NaN too
                 raise AttnError(f"{option} must be a finite number of seconds above 0, not "
                                 f"{seconds}")
+        if not 0 < self.max_request_seconds < math.inf:  # NaN too
+            raise AttnError(f"--max-request-seconds must be a finite number of seconds above "
+                            f"0, not {self.max_request_seconds}")
         if not 0 < self.request_timeout < math.inf:  # NaN too
             raise AttnError(f"--request-timeout must be a finite number of seconds above 0, "
                             f"not {self.request_timeout}")

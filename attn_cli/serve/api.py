@@ -224,14 +224,16 @@ def search_settings(fields: dict, max_beam: int) -> dict:
 
 
 def check_work(work: int, limit: int) -> None:
-    """A request's work (`Translator.search_work`: output tokens its search may produce, every
-    beam counted) within the server's --max-request-tokens, before any search."""
+    """A request's work (`Translator.search_work`: the hypothesis steps its search may take,
+    every beam counted, long outputs weighed more) within the server's budget, before any
+    search."""
     if work > limit:
-        raise Problem(422, f"this request's search may produce {work:,} output tokens (each "
+        raise Problem(422, f"this request's search may take {work:,} hypothesis steps (each "
                       "line's beam × its longest allowed output, max_len_a × source tokens + "
-                      f"max_len_b), above this server's limit of {limit:,} "
-                      "(--max-request-tokens): send fewer lines, or ask for a smaller beam, "
-                      "max_len_a or max_len_b")
+                      f"max_len_b, the later positions weighed more), above this server's limit "
+                      f"of {limit:,} (--max-request-tokens; by default what one search worker "
+                      "does in --max-request-seconds): send fewer lines, or ask for a smaller "
+                      "beam, max_len_a or max_len_b")
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}

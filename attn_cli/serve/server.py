@@ -134,6 +134,9 @@ class Service:
         self.failure: str | None = None
         self.requests = itertools.count(1)
         self.lines_translated = 0
+        # what one request's search may cost (Translator.search_work): --max-request-tokens,
+        # or --max-request-seconds of one search worker here, measured once loaded
+        self.work_budget = options.max_request_tokens or None
         # --api-key's one key, --api-keys' file of keys with their own limits (keys.py)
         self.keys = Keys(options.api_key, options.api_keys)
         # /metrics, the translation cache and the request rates (operations.py)
@@ -161,6 +164,9 @@ class Service:
                 if translator is None:
                     translator = loaded[tuple(model.paths)] = self._load(model.paths)
                     translator.search(translator.encode(["warm up"], 1))  # kernels made once
+                    if not self.options.max_request_tokens:
+                        budget = self.options.max_request_seconds * work_rate(translator)
+                        self.work_budget = min(self.work_budget or budget, budget)
                 model.translator = translator = tagged(translator, model)
             options = translator.options
             # One queue for every model: its workers (as many as `attn decode` would run: the
@@ -175,10 +181,14 @@ class Service:
             self.failure = str(error) if isinstance(error, AttnError) else repr(error)
             stop()
             return
+        self.work_budget = int(self.work_budget)
+        measured = "" if self.options.max_request_tokens else \
+            f" (--max-request-seconds {self.options.max_request_seconds:g} of one worker here)"
         self.log(f"serve: {self.model_id} loaded in {time.perf_counter() - started:.2f}s, ready "
                  f"({translator.device}, {options.workers} search worker(s) × "
                  f"{options.worker_threads} thread(s), batches of {options.batch_tokens} "
-                 "source tokens × beam)")
+                 f"source tokens × beam; a request may cost {self.work_budget:,} hypothesis "
+                 f"steps{measured})")
 
     def close(self) -> None:
         if self.queue is not None:
@@ -233,7 +243,7 @@ class Service:
                             controls=line_controls))
             answers.append(answered)
             lookups.append(cached)
-        api.check_work(sum(job.work for job in jobs), self.options.max_request_tokens)
+        api.check_work(sum(job.work for job in jobs), self.work_budget)
         submitted = []
         try:
             for job in jobs:
@@ -308,7 +318,7 @@ class Service:
                            "char_limit": self.options.char_limit,
                            "max_body_bytes": self.options.max_body,
                            "max_beam": self.options.max_beam,
-                           "max_request_tokens": self.options.max_request_tokens,
+                           "max_request_tokens": self.work_budget,
                            "request_timeout_s": self.options.request_timeout}}
 
 
@@ -333,6 +343,30 @@ def tagged(translator, model: Model):
                         f"(its target tags: {', '.join(sorted(targets))}): serve it for the "
                         "targets it knows")
     return translator.with_target(langs[1])
+
+
+def work_rate(translator) -> float:
+    """`Translator.search_work`'s units one search worker gets through in a second here: a
+    search of known cost (beam 8, every hypothesis to 96 positions), on a worker's threads, the
+    faster of two. What --max-request-seconds turns into the default budget of a request."""
+    import torch
+
+    from ..formats import Stop
+
+    probe = translator.with_options(beam=8, nbest=1, sample=False, max_len_a=0.0, max_len_b=96,
+                                    stop=Stop.limit)
+    ids = probe.encode(["How long does a search take on this machine?"], 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(translator.options.worker_threads)
+    try:
+        seconds = []
+        for _ in range(2):
+            started = time.perf_counter()
+            probe.search(ids)
+            seconds.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+    return probe.search_work(ids) / max(min(seconds), 1e-6)
 
 
 def _resolve(future, job) -> None:

@@ -210,11 +210,12 @@ def test_check_work_names_the_limit_and_what_to_lower():
     api.check_work(1000, 1000)
     status, message = refused(api.check_work, 131_104, 100_000)
     assert status == 422
-    assert message == ("this request's search may produce 131,104 output tokens (each line's "
+    assert message == ("this request's search may take 131,104 hypothesis steps (each line's "
                        "beam × its longest allowed output, max_len_a × source tokens + "
-                       "max_len_b), above this server's limit of 100,000 "
-                       "(--max-request-tokens): send fewer lines, or ask for a smaller beam, "
-                       "max_len_a or max_len_b")
+                       "max_len_b, the later positions weighed more), above this server's "
+                       "limit of 100,000 (--max-request-tokens; by default what one search "
+                       "worker does in --max-request-seconds): send fewer lines, or ask for a "
+                       "smaller beam, max_len_a or max_len_b")
 
 
 # ------------------------------------------------------------------------ POST /v1/translate

@@ -6,6 +6,7 @@ requests only."""
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -136,12 +137,23 @@ def test_a_failing_stream_fails_its_requests_and_the_workers_go_on(translator, m
 
 
 def test_a_job_s_work_is_its_lines_beams_times_their_longest_outputs(translator):
+    """Each line's beam × its longest output L = a·|x| + b, its positions weighed 1 + t / span
+    (the cache each step reads): L + L(L + 1) / (2 span), span = 0.9 × d_model."""
     job = Job(["", "A dog runs.", "Two men talk."], translator, None)
     assert job.sources[0] is None
     lengths = [len(ids) - 1 for ids in job.sources[1:]]  # EOS left out, as the limit counts
-    assert job.work == sum(4 * (length + 50) for length in lengths)  # beam 4, a·|x| + b
+    span = 0.9 * translator.config.d_model
+
+    def weighed(longest):
+        return longest + longest * (longest + 1) / (2 * span)
+
+    assert job.work == math.ceil(sum(4 * weighed(length + 50) for length in lengths))
     sampled = Job(job.lines, translator.with_options(sample=True, max_len_a=2.0), None)
-    assert sampled.work == sum(2 * length + 50 for length in lengths)
+    assert sampled.work == math.ceil(sum(weighed(2 * length + 50) for length in lengths))
+    # one line to 4,096 positions at beam 32 costs over 100 times one to 256
+    short, long = (translator.with_options(beam=32, max_len_a=0.0, max_len_b=b)
+                   .search_work([[5, 3]]) for b in (255, 4095))
+    assert long > 100 * short
 
 
 def test_a_job_cancelled_midway_leaves_its_batch_and_the_others_get_their_outputs(translator):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -269,7 +270,7 @@ def test_a_paragraph_keeps_every_sentence_in_order_and_its_spacing(server, train
     ("/v1/translate", b'{"text": ["a"], "sample": true, "temperature": 5e-324}', None, 422,
      "temperature must be at least 0.001"),
     ("/v1/translate", b'{"text": ["a"], "beam": 32, "max_len_b": 4096}', None, 422,
-     "above this server's limit of 100,000 (--max-request-tokens)"),
+     "above this server's limit of 100,000 (--max-request-tokens"),
     ("/translate", json.dumps({"q": "\n".join(["a b c"] * 64), "source": "en", "target": "de",
                                "alternatives": 31}).encode(), None, 400, "--max-request-tokens"),
     ("/translate", b'{"q": "a", "source": "en", "target": "de", "alternatives": Infinity}', None,
@@ -379,10 +380,12 @@ def test_every_field_s_wrong_kinds_and_edges_get_a_4xx_json_error_never_a_500(se
 
 @pytest.fixture(scope="module")
 def patient(trained):
-    """A server whose requests may be long (400 lines) and take 3 s: what a client that
-    leaves, or a search past its deadline, is tested on (well before the deadline, or at it)."""
+    """A server whose requests may be long (400 lines, and a budget that lets one line search
+    to 4,096 positions at beam 32) and take 3 s: what a client that leaves, or a search past
+    its deadline, is tested on (well before the deadline, or at it)."""
     model, _ = trained
-    process = Server(serve_command(model, "--max-lines", 400, "--request-timeout", 3))
+    process = Server(serve_command(model, "--max-lines", 400, "--request-timeout", 3,
+                                   "--max-request-tokens", 10 ** 9))
     process.wait_ready()
     yield process
     assert process.stop() == 0
@@ -679,3 +682,33 @@ def test_a_request_called_off_leaves_no_unread_exception_behind(ending):
     assert cancelled == ["job 1", "job 2"]
     gc.collect()
     assert logged == []
+
+
+@pytest.mark.slow
+def test_the_default_budget_refuses_at_once_a_line_that_would_search_for_minutes(trained,
+                                                                                  lines):
+    """At the defaults a request's search may cost what one search worker does in 5 s here
+    (--max-request-seconds, timed when the model loads; the ready line says how much): one
+    4-byte line at beam 32 to 4,096 positions (minutes on one thread) is refused at once with
+    422, while a request of --char-limit's characters at beam 4 is answered."""
+    model, _ = trained
+    process = Server(serve_command(model))
+    try:
+        process.wait_ready()
+        ready = next(line for line in process.log if " ready (" in line)
+        budget = int(re.search(r"a request may cost ([\d,]+) hypothesis steps", ready)
+                     .group(1).replace(",", ""))
+        assert "(--max-request-seconds 5 of one worker here)" in ready and budget > 0
+        started = time.monotonic()
+        status, answer = call(process, "POST", "/v1/translate", {
+            "text": ["Hi."], "beam": 32, "max_len_b": 4096, "stop": "limit"})
+        assert status == 422 and time.monotonic() - started < 1.0
+        assert f"above this server's limit of {budget:,}" in answer["error"]
+        text = " ".join(lines)[:10_000]
+        status, answer = call(process, "POST", "/translate", {"q": text, "source": "en",
+                                                             "target": "de"})
+        assert status == 200, answer
+        status, described = call(process, "GET", "/v1/models")
+        assert described["data"][0]["limits"]["max_request_tokens"] == budget
+    finally:
+        assert process.stop() == 0
