@@ -12,7 +12,8 @@ another, while a normal client sends one of those lines every 0.2 s throughout:
   LibreTranslate's alternatives Infinity and 1e400;
 - load: 30 clients queueing 10,000 sampled lines and hanging up (then how long until /health
   counts no line, and a normal request); a client hanging up in the middle of a search (then
-  the server's CPU seconds over the next second: idle is ~0);
+  the server's CPU seconds over the next second: idle is ~0); 4 bytes asking for beam 32 to
+  4,096 positions (minutes of search: refused at once by the default budget);
 - connections: 1,100 connections that send a request line and a header, then nothing (and a
   normal request meanwhile); 1 MiB and 16 MiB headers; a request line and headers, and a body,
   trickled a byte every 0.5 s; a connection that sends nothing, and one idle after a request.
@@ -191,6 +192,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def timed(answer):
+    """(status, message) of an exchange, with how long it took."""
+    started = time.monotonic()
+    status, message = await answer
+    return status, f"in {time.monotonic() - started:.2f} s: {str(message)[:200]}"
+
+
 async def hang_up_clients(server: Server, lines: list[str], normal: Normal):
     """30 clients send 333 sampled lines each (9,990: the default queue holds 10,000), hang
     up; then the time until /health counts none waiting, and a normal request."""
@@ -232,7 +240,9 @@ async def gone_mid_search(server: Server, lines: list[str], normal: Normal):
 
 async def _gone_mid_search(server: Server, lines: list[str]):
     _, writer = await asyncio.open_connection(server.host, server.port)
-    writer.write(post("/v1/translate", {"text": lines[:8], "beam": 32, "max_len_b": 200,
+    # within the default budget (--max-request-seconds: one line of 200 positions at beam 32,
+    # ~1 s of a worker with the demo model), so that it is searched when the client leaves
+    writer.write(post("/v1/translate", {"text": lines[:1], "beam": 32, "max_len_b": 200,
                                         "stop": "limit"}))
     await asyncio.sleep(0.5)
     writer.close()
@@ -242,7 +252,7 @@ async def _gone_mid_search(server: Server, lines: list[str]):
     spent = cpu_seconds(server.process.pid) - before
     return ("idle" if spent < IDLE_CPU_SECONDS else "busy",
             f"{spent:.2f} CPU s in the second after 0.1 s (the log: "
-            + ("499" if any(" 499 8 lines" in line for line in server.log) else "no 499")
+            + ("499" if any(" 499 1 line" in line for line in server.log) else "no 499")
             + ")")
 
 
@@ -300,6 +310,9 @@ def cases(server: Server, lines: list[str], normal: Normal) -> list[tuple[str, s
          lambda: hang_up_clients(server, lines, normal)),
         ("a client hangs up mid-search", "idle",
          lambda: gone_mid_search(server, lines, normal)),
+        ("4 bytes at beam 32 to 4,096 positions (minutes of search)", "422", lambda: timed(
+            exchange(server, post(translate, {"text": ["Hi."], "beam": 32, "max_len_b": 4096,
+                                              "stop": "limit"})))),
         ("1,100 idle connections + a normal request", "200",
          lambda: idle_crowd(server, normal)),
         ("a 1 MiB header", "431", lambda: exchange(server, http_request(
