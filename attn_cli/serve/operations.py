@@ -39,7 +39,7 @@ CACHE_CHARS_PER_LINE = 256
 # named here: a cache that misses more, never one that answers wrong.
 NOT_IN_OUTPUTS = frozenset({"batch_tokens", "buffer_size", "workers", "worker_threads"})
 # Never rate-limited: what load balancers and Prometheus poll.
-UNLIMITED_PATHS = frozenset({"/health", "/metrics"})
+UNLIMITED_PATHS = frozenset({"/health", "/metrics", "/"})  # and the web page
 # The text format every Prometheus reads (generate_latest writes it; newer prometheus_client
 # versions label it 1.0.0, which older servers do not know).
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -549,16 +549,32 @@ async def frontend_settings(request):
     return answer(api.frontend_settings(service.options, service.served))
 
 
+PAGE = Path(__file__).parent / "page" / "index.html"
+# The page's scripts and styles are its own (inline); it fetches from this server only.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
+                "style-src 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
+
+
+async def page(request):
+    """GET /: the web page (page/index.html), for people; outside --api-key (it asks for the
+    key and sends it with each request)."""
+    from starlette.responses import Response
+
+    return Response(PAGE.read_bytes(), 200, PAGE_HEADERS, media_type="text/html; charset=utf-8")
+
+
 async def not_found(request, exc):
     status = getattr(exc, "status_code", 404)
-    message = ("no such endpoint (POST /v1/translate, GET /v1/models, GET /health, POST "
-               "/translate, POST /detect, POST /translate_file, GET /languages)"
+    message = ("no such endpoint (GET / for the web page, POST /v1/translate, GET /v1/models, "
+               "GET /health, POST /translate, POST /detect, POST /translate_file, GET "
+               "/languages)"
                if status == 404 else
                f"{request.method} is not allowed here" if status == 405 else str(exc))
     return answer({"error": message}, status)
 
 
-ROUTES = [("/health", health, ["GET"]), ("/v1/models", models, ["GET"]),
+ROUTES = [("/", page, ["GET"]), ("/health", health, ["GET"]), ("/v1/models", models, ["GET"]),
           ("/v1/translate", translate_v1, ["POST"]), ("/translate", translate_libre, ["POST"]),
           ("/detect", detect, ["POST"]), ("/translate_file", translate_file, ["POST"]),
           ("/download_file/{name}", download_file, ["GET"]),
