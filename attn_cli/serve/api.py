@@ -61,7 +61,7 @@ MAX_REQUEST_GLOSSARY = 1000
 # that was a 500).
 MAX_INTEGER_DIGITS = 19
 # What /translate_file translates (LibreTranslate's `supportedFilesFormat`): text, or HTML.
-FILE_FORMATS = (".txt", ".html", ".htm")
+FILE_FORMATS = (".txt", ".html", ".htm", ".docx", ".srt", ".vtt")  # the last three: documents.py
 HTML_FILES = frozenset({".html", ".htm"})
 # What /translate's `format` may be.
 LIBRE_FORMATS = ("text", "html")
@@ -889,11 +889,14 @@ class FileRequest:
     source: str
     target: str
     html: bool = False  # an .html or .htm file: translated as HTML (decode/markup.py)
+    # a .docx, .srt or .vtt file: its texts (HTML fragments) and how to write it back
+    # (documents.py); `text` is then empty
+    document: object = None
 
 
 def file_request(fields: dict, files: dict) -> FileRequest:
     """/translate_file's form (LibreTranslate's: `file`, `source`, `target`, `api_key`): a
-    .txt, .html or .htm file of UTF-8 text."""
+    .txt, .html or .htm file of UTF-8 text, or a .docx, .srt or .vtt document (documents.py)."""
     if "file" not in files:
         raise Problem(400, "Invalid request: missing file parameter")
     for name in ("source", "target"):
@@ -906,6 +909,11 @@ def file_request(fields: dict, files: dict) -> FileRequest:
     if extension not in FILE_FORMATS:
         raise Problem(400, f"Invalid request: file format not supported: file {name!r}; this "
                       f"server translates {', '.join(FILE_FORMATS)} files")
+    from .documents import SUBTITLE_FILES, WORD_FILES, read_document
+
+    if extension in WORD_FILES + SUBTITLE_FILES:
+        return FileRequest(name, "", False, fields["source"], fields["target"], True,
+                           read_document(name, extension, data))
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -916,9 +924,14 @@ def file_request(fields: dict, files: dict) -> FileRequest:
 
 
 def media_type(name: str) -> str:
-    """The Content-Type of a translated file by its name: HTML as HTML, the rest as text."""
-    html = os.path.splitext(name)[1].lower() in HTML_FILES
-    return f"text/{'html' if html else 'plain'}; charset=utf-8"
+    """The Content-Type of a translated file by its name: HTML as HTML, Word and subtitles as
+    theirs, the rest as text."""
+    from .documents import MEDIA_TYPES
+
+    extension = os.path.splitext(name)[1].lower()
+    if extension in MEDIA_TYPES:
+        return MEDIA_TYPES[extension]
+    return f"text/{'html' if extension in HTML_FILES else 'plain'}; charset=utf-8"
 
 
 def download_name(name: str) -> str:

@@ -505,8 +505,9 @@ async def detect(request):
 @libre_statuses
 async def translate_file(request):
     """A .txt file translated as one text of /translate (sentence by sentence, its line
-    breaks and spacing kept), an .html or .htm file as one HTML document, answered with the
-    URL to download the translation from."""
+    breaks and spacing kept), an .html or .htm file as one HTML document, a .docx, .srt or .vtt
+    document paragraph by paragraph or cue by cue (documents.py), answered with the URL to
+    download the translation from."""
     service = request.app.state.service
     body = await read_body(request, service.options.max_body)
     content_type = request.headers.get("content-type", "")
@@ -515,14 +516,23 @@ async def translate_file(request):
                       "file, source, target)")
     fields, files = api.multipart_fields(content_type, body)
     options = api.check_key(service.keys, service.options, request.headers, fields)
-    asked = api.file_request(fields, files)
-    # a file may be long (--max-body): detected and read off the event loop
-    outputs, _ = await _translate_texts(request, [asked.text], asked.source, asked.target,
-                                        asked.html, {}, "file", True, off_loop=True,
-                                        options=options)
-    translated = ("\ufeff" if asked.bom else "") + outputs[0][0][1]
+    asked = await asyncio.to_thread(api.file_request, fields, files)  # a .docx is unzipped
+    if asked.document is not None:  # .docx, .srt, .vtt: its texts as HTML, written back
+        document = asked.document
+        outputs = []
+        if document.texts:
+            outputs, _ = await _translate_texts(request, document.texts, asked.source,
+                                                asked.target, True, {}, "file", False,
+                                                off_loop=True, options=options)
+        data = await asyncio.to_thread(document.rebuild, [output[0][1] for output in outputs])
+    else:
+        # a file may be long (--max-body): detected and read off the event loop
+        outputs, _ = await _translate_texts(request, [asked.text], asked.source, asked.target,
+                                            asked.html, {}, "file", True, off_loop=True,
+                                            options=options)
+        data = (("\ufeff" if asked.bom else "") + outputs[0][0][1]).encode("utf-8")
     stored = await asyncio.to_thread(service.downloads.add, api.download_name(asked.name),
-                                     translated.encode("utf-8"))
+                                     data)
     return answer({"translatedFileUrl": f"{request.base_url}download_file/{stored}"})
 
 

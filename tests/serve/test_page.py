@@ -8,6 +8,7 @@ desktop's and a phone's width (ATTN_ARTIFACTS, else the test's folder; the paths
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -146,6 +147,29 @@ def test_the_page_translates_swaps_translates_a_file_and_says_429_in_words(brows
     with urllib.request.urlopen(element("download").get_attribute("href")) as answer:
         downloaded = answer.read().decode("utf-8")
     assert downloaded == translated(server, document.read_text(encoding="utf-8"), "en", "de")
+
+    # A Word file and subtitles: the same, and what comes back is a Word file and subtitles
+    docx = pytest.importorskip("docx")
+    word = docx.Document()
+    word.add_paragraph("A man ").add_run("rides a bike").bold = True
+    word.save(tmp_path / "report.docx")
+    (tmp_path / "film.srt").write_text("1\n00:00:01,000 --> 00:00:02,000\nA man rides.\n\n",
+                                       encoding="utf-8")
+    for name in ("report.docx", "film.srt"):
+        previous = element("download").get_attribute("href")
+        element("file").clear()
+        element("file").send_keys(str(tmp_path / name))
+        element("sendfile").click()
+        wait(lambda previous=previous: element("download").is_displayed()
+             and element("download").get_attribute("href") != previous)
+        assert element("download").text == f"Download the translation of {name}"
+        with urllib.request.urlopen(element("download").get_attribute("href")) as answer:
+            data = answer.read()
+        if name.endswith(".docx"):
+            assert len(docx.Document(io.BytesIO(data)).paragraphs) == 1
+        else:
+            assert data.decode().startswith("1\n00:00:01,000 --> 00:00:02,000\n")
+    assert ".docx" in element("formats").text and ".srt" in element("formats").text
 
     shots = artefacts(tmp_path)
     desktop = shots / "attn-page-desktop.png"
