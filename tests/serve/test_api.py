@@ -511,7 +511,8 @@ def test_languages_and_frontend_settings():
     settings = api.frontend_settings(ServeOptions(api_key="k"), ANY)
     assert settings["charLimit"] == 10_000 and settings["keyRequired"] is True
     assert settings["filesTranslation"] is True
-    assert settings["supportedFilesFormat"] == [".txt", ".html", ".htm"]
+    assert settings["supportedFilesFormat"] == [".txt", ".html", ".htm", ".docx", ".srt",
+                                                ".vtt"]
     assert settings["language"] == {"source": {"code": "auto", "name": "auto"},
                                     "target": {"code": "", "name": ""}}
     settings = api.frontend_settings(OPTIONS, PAIRS)
@@ -615,8 +616,8 @@ def test_file_request():
         ({"file": ("", b"x")}, {}, "Invalid request: empty file (the file field has no "
                                    "filename)"),
         ({"file": ("a.pdf", b"x")}, {}, "Invalid request: file format not supported: file "
-                                        "'a.pdf'; this server translates .txt, .html, .htm "
-                                        "files"),
+                                        "'a.pdf'; this server translates .txt, .html, .htm, "
+                                        ".docx, .srt, .vtt files"),
         ({"file": ("a.txt", b"\xe9t\xe9")}, {}, "file 'a.txt' is not valid UTF-8 (byte 0)"),
     ]:
         assert refused(api.file_request, {**fields, **extra}, files) == (400, message)

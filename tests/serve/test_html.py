@@ -125,7 +125,8 @@ def test_an_html_file_round_trip(server):
         assert download.read().decode("utf-8") == expected
         assert download.headers["Content-Type"] == "text/html; charset=utf-8"
     status, settings = call(server, "GET", "/frontend/settings")
-    assert settings["supportedFilesFormat"] == [".txt", ".html", ".htm"]
+    assert settings["supportedFilesFormat"] == [".txt", ".html", ".htm", ".docx", ".srt",
+                                                ".vtt"]
 
 
 @pytest.mark.parametrize("value", ["xml", "HTML", 1])

@@ -107,7 +107,8 @@ def test_languages_models_health_and_settings_list_every_pair(server, random_mod
     assert status == 200 and health["models"] == {"en-de": "ok", "de-en": "ok", "fr-de": "ok"}
     status, settings = call(server, "GET", "/frontend/settings")
     assert settings["charLimit"] == 2000
-    assert settings["supportedFilesFormat"] == [".txt", ".html", ".htm"]
+    assert settings["supportedFilesFormat"] == [".txt", ".html", ".htm", ".docx", ".srt",
+                                                ".vtt"]
     assert settings["language"]["source"] == {"code": "en", "name": "English"}
     assert any(f"{random_model} says it translates de-en; serving it as fr-de" in line
                for line in server.log)
@@ -168,8 +169,8 @@ def test_a_text_file_round_trip(server, trained):
     wait_for(lambda: any(" POST /translate_file 200 3 lines " in line for line in server.log))
     for form, files, fragment in [
         ({"source": "en", "target": "de"}, {"file": ("page.pdf", b"%PDF")},
-         "file format not supported: file 'page.pdf'; this server translates .txt, .html, .htm "
-         "files"),
+         "file format not supported: file 'page.pdf'; this server translates .txt, .html, .htm, "
+         ".docx, .srt, .vtt files"),
         ({"source": "en", "target": "de"}, {}, "missing file parameter"),
         ({"target": "de"}, {"file": ("a.txt", b"Hi.")}, "missing source parameter"),
         ({"source": "en", "target": "fr"}, {"file": ("a.txt", b"Hi.")},
