@@ -108,12 +108,12 @@ def warn_if_bf16_is_emulated(dtype: str, device: torch.device, command: str) -> 
     if dtype == "bf16" and device.type == "cuda" and not gpu_has_native_bf16(device):
         name = torch.cuda.get_device_name(device)
         say(f"{command}: warning: --dtype bf16 on {name}, which has no bf16 tensor cores "
-              "(compute capability below 8.0): emulated, slower than fp32; fp16 or fp32 is the "
-              "fast choice")
+            "(compute capability below 8.0): emulated, slower than fp32; fp16 or fp32 is the "
+            "fast choice")
     if dtype == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
         say(f"{command}: warning: --dtype bf16 on a CPU without native bf16 (AVX512-BF16 or "
-              "AMX): oneDNN emulates it, many times slower than fp32; use fp32 (the default) "
-              "here")
+            "AMX): oneDNN emulates it, many times slower than fp32; use fp32 (the default) "
+            "here")
 
 
 def autocast(device: torch.device, dtype: str):

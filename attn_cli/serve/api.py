@@ -153,13 +153,17 @@ def _text(body: bytes) -> str:
 
 def check_key(keys, options: ServeOptions, headers: Mapping[str, str],
               fields: dict | None = None) -> ServeOptions:
+    """`find_key`, then the options the request is held to (`options_for`)."""
+    return options_for(options, find_key(keys, headers, fields))
+
+
+def find_key(keys, headers: Mapping[str, str], fields: dict | None = None):
     """With --api-key or --api-keys (serve/keys.py's Keys): the key as 'Authorization: Bearer
-    KEY', an X-API-Key header, or an `api_key` field (LibreTranslate's way); 401 without one
-    the server takes. Returns the options the request is held to: the server's, with the key's
-    own character limit where --api-keys gives it one. `headers`: looked up by lower-case
-    name."""
+    KEY', an X-API-Key header, or an `api_key` field (LibreTranslate's way): its Key, or 401
+    without one the server takes. None where the server needs no key. `headers`: looked up by
+    lower-case name."""
     if keys is None or not keys.required:
-        return options
+        return None
     bearer = headers.get("authorization", "")
     candidates = [bearer[7:].strip() if bearer[:7].lower() == "bearer " else None,
                   headers.get("x-api-key"), (fields or {}).get("api_key")]
@@ -169,9 +173,14 @@ def check_key(keys, options: ServeOptions, headers: Mapping[str, str],
         raise Problem(401, "this server needs an API key it knows: send 'Authorization: Bearer "
                       "KEY', an 'X-API-Key: KEY' header, or an api_key field",
                       {"WWW-Authenticate": "Bearer"})
-    if found.char_limit is None:
+    return found
+
+
+def options_for(options: ServeOptions, key) -> ServeOptions:
+    """The server's options, with the key's own character limit where --api-keys gives it."""
+    if key is None or key.char_limit is None:
         return options
-    return dataclasses.replace(options, char_limit=found.char_limit)
+    return dataclasses.replace(options, char_limit=key.char_limit)
 
 
 def check_lines(lines: list, field: str, options: ServeOptions) -> None:
@@ -909,11 +918,15 @@ def file_request(fields: dict, files: dict) -> FileRequest:
     if extension not in FILE_FORMATS:
         raise Problem(400, f"Invalid request: file format not supported: file {name!r}; this "
                       f"server translates {', '.join(FILE_FORMATS)} files")
-    from .documents import SUBTITLE_FILES, WORD_FILES, read_document
+    from .documents import SUBTITLE_FILES, WORD_FILES, DocumentError, read_document
 
     if extension in WORD_FILES + SUBTITLE_FILES:
+        try:
+            document = read_document(name, extension, data)
+        except DocumentError as error:
+            raise Problem(400, str(error)) from None
         return FileRequest(name, "", False, fields["source"], fields["target"], True,
-                           read_document(name, extension, data))
+                           document)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:

@@ -14,8 +14,8 @@ translated words by the word alignments, as an HTML page's is (decode/markup.py)
   NOTE, STYLE and REGION blocks are kept byte for byte. The <i>, <b>, <u> tags of subtitles
   stay on the translated words; any other text is escaped, not read as HTML.
 
-A file that does not read (a damaged .docx, a cue without its timing) is a Problem 400 naming
-what is wrong. No torch here.
+A file that does not read (a damaged .docx, a cue without its timing) is a DocumentError
+naming what is wrong, which /translate_file answers 400. No torch here.
 """
 
 from __future__ import annotations
@@ -28,13 +28,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from html.parser import HTMLParser
 
-from .api import Problem
-
 WORD_FILES = (".docx",)
 SUBTITLE_FILES = (".srt", ".vtt")
 MEDIA_TYPES = {
     ".docx": "application/vnd.openxmlformats-officedocument.wordprocessingml.document",
     ".srt": "application/x-subrip; charset=utf-8", ".vtt": "text/vtt; charset=utf-8"}
+
+
+class DocumentError(ValueError):
+    """A document that cannot be read: the message names the file (and the line)."""
 
 
 @dataclass
@@ -60,7 +62,7 @@ def read_document(name: str, extension: str, data: bytes) -> Document:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise Problem(400, f"file {name!r} is not valid UTF-8 (byte {error.start})") from None
+        raise DocumentError(f"file {name!r} is not valid UTF-8 (byte {error.start})") from None
     return read_subtitles(name, text, vtt=extension == ".vtt")
 
 
@@ -71,12 +73,12 @@ def read_docx(name: str, data: bytes) -> Document:
     try:
         import docx
     except ImportError:
-        raise Problem(400, f"file {name!r}: this server cannot read Word files (python-docx "
+        raise DocumentError(f"file {name!r}: this server cannot read Word files (python-docx "
                       "is not installed: pip install 'attn[serve]')") from None
     try:
         document = docx.Document(io.BytesIO(data))
     except Exception as error:  # noqa: BLE001 (zipfile, lxml, python-docx: all "damaged")
-        raise Problem(400, f"file {name!r} is not a Word document that can be read "
+        raise DocumentError(f"file {name!r} is not a Word document that can be read "
                       f"({type(error).__name__}: {str(error)[:120]})") from None
     paragraphs = [paragraph for paragraph in word_paragraphs(document)
                   if any(run.text.strip() for run in paragraph.runs)]
@@ -198,7 +200,7 @@ def read_subtitles(name: str, text: str, vtt: bool) -> Document:
     lines = body.replace("\r\n", "\n").split("\n")
     timing = VTT_TIMING if vtt else SRT_TIMING
     if vtt and not lines[0].startswith("WEBVTT"):
-        raise Problem(400, f"file {name!r} is not WebVTT: its first line must be WEBVTT")
+        raise DocumentError(f"file {name!r} is not WebVTT: its first line must be WEBVTT")
     cues: list[tuple[int, int]] = []  # (first text line, lines) of each cue
     block_start = 0
     for number, line in enumerate(lines + [""]):
@@ -211,7 +213,7 @@ def read_subtitles(name: str, text: str, vtt: bool) -> Document:
             header = vtt and (block_start == 0 or block[0].startswith(("NOTE", "STYLE",
                                                                        "REGION")))
             if found is None and not header:
-                raise Problem(400, f"file {name!r}, line {block_start + 1}: a cue without its "
+                raise DocumentError(f"file {name!r}, line {block_start + 1}: a cue without its "
                               "timing (" + ("00:00:01.000 --> 00:00:02.000" if vtt else
                                             "00:00:01,000 --> 00:00:02,000") + ")")
             if found is not None and not header and len(block) > found + 1:

@@ -304,6 +304,25 @@ class Operations:
                 self.cache.put(key, searched, chars)
         self.metrics.sentences.inc(sum(1 for line in lookup.lines if line.strip()))
 
+    def charge_key(self, scope: dict, key) -> None:
+        """A request whose key was in its body (LibreTranslate's `api_key` field), which the
+        middleware could not see: drawn from its key's bucket now, 429 (a Problem) past the
+        key's own rate; and named for the key's counters. A key sent in a header was charged
+        by the middleware already."""
+        state = scope.setdefault("state", {})
+        state["key"] = key.name
+        if state.get("charged_key") == key.name or self.rate is None or \
+                key.requests_per_minute is None:
+            return
+        wait = self.rate.wait(("key", key.name), key.requests_per_minute)
+        if wait > 0:
+            from .api import Problem
+
+            self.metrics.rate_limited.inc()
+            self.metrics.key_rate_limited.labels(key.name).inc()
+            raise Problem(429, rate_message(key.requests_per_minute, key, wait),
+                          {"Retry-After": str(math.ceil(wait))})
+
     def middleware(self, app, paths) -> OperationsMiddleware:
         """`app` inside the ASGI wrapper; `paths`: its routes' paths (the endpoint labels)."""
         return OperationsMiddleware(app, self, frozenset(paths) | {"/metrics"})
@@ -341,20 +360,20 @@ class OperationsMiddleware:
                     if key is not None:
                         operations.metrics.key_rate_limited.labels(key.name).inc()
                     limit = operations.rate.per_minute if own is None else own
-                    whose = (f"from the key {key.name!r} (--api-keys)" if own is not None
-                             else f"from each client (--req-limit {limit})")
-                    await respond(sending, 429, json_body(
-                        f"too many requests: this server answers {limit} a minute {whose}; "
-                        f"try again in {math.ceil(wait)} s"),
+                    await respond(sending, 429, json_body(rate_message(
+                        limit, key if own is not None else None, wait)),
                         {"retry-after": str(math.ceil(wait))})
                     return
+                if key is not None:
+                    scope.setdefault("state", {})["charged_key"] = key.name
             await self.app(scope, receive, sending)
         finally:
             operations.metrics.request_done(
                 path if path in self.paths else "other", status[0],
                 time.perf_counter() - started, scope.get("state", {}).get("lines"))
-            if key is not None:
-                operations.metrics.key_requests.labels(key.name, str(status[0] or "none")).inc()
+            name = key.name if key is not None else scope.get("state", {}).get("key")
+            if name is not None:
+                operations.metrics.key_requests.labels(name, str(status[0] or "none")).inc()
 
     async def _metrics(self, scope, send) -> None:
         token = self.operations.metrics_token
@@ -367,6 +386,15 @@ class OperationsMiddleware:
         else:
             await respond(send, 200, self.operations.metrics.text(), content_type=(
                 METRICS_CONTENT_TYPE), head=scope["method"] == "HEAD")
+
+
+def rate_message(limit: int, key, wait: float) -> str:
+    """429's words: the rate, whose it is (the key's, or each client's --req-limit), when to
+    try again."""
+    whose = (f"from the key {key.name!r} (--api-keys)" if key is not None
+             else f"from each client (--req-limit {limit})")
+    return (f"too many requests: this server answers {limit} a minute {whose}; try again in "
+            f"{math.ceil(wait)} s")
 
 
 def bearer_is(scope: dict, token: str) -> bool:

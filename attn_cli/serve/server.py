@@ -142,6 +142,14 @@ class Service:
         # /metrics, the translation cache and the request rates (operations.py)
         self.operations = Operations(options, lambda: self.queue, self.keys)
 
+    def admit(self, request, fields: dict | None = None) -> ServeOptions:
+        """A request's key (401 without one the server takes), its key's rate where the key was
+        in the body (429), and the options it is held to (the key's character limit)."""
+        key = api.find_key(self.keys, request.headers, fields)
+        if key is not None:
+            self.operations.charge_key(request.scope, key)
+        return api.options_for(self.options, key)
+
     @property
     def ready(self) -> bool:
         return self.queue is not None
@@ -399,7 +407,7 @@ async def health(request):
 
 async def models(request):
     service = request.app.state.service
-    api.check_key(service.keys, service.options, request.headers)
+    service.admit(request)
     return answer({"object": "list", "data": [service.describe(model)
                                               for model in service.models]})
 
@@ -407,7 +415,7 @@ async def models(request):
 async def translate_v1(request):
     service = request.app.state.service
     fields = api.json_fields(await read_body(request, service.options.max_body))
-    options = api.check_key(service.keys, service.options, request.headers, fields)
+    options = service.admit(request, fields)
     asked = api.v1_request(fields, options, service.served)
     controls = api.v1_controls(fields, asked)
     if asked.split:
@@ -455,7 +463,7 @@ async def translate_libre(request):
     service = request.app.state.service
     body = await read_body(request, service.options.max_body)
     fields = api.libre_fields(request.headers.get("content-type", ""), body)
-    options = api.check_key(service.keys, service.options, request.headers, fields)
+    options = service.admit(request, fields)
     asked = api.libre_request(fields, options, service.default_beam)
     # HTML is slow to read (about 1 s for a 600 KB page): off the event loop. Texts within
     # --char-limit are split in place (a thread hop would cost short requests more).
@@ -469,7 +477,7 @@ async def _translate_texts(request, texts: list[str], source: str, target: str, 
                            settings: dict, field: str, single: bool, off_loop: bool,
                            options) -> tuple[list, list]:
     """LibreTranslate's texts translated (`api.libre_texts`, in a thread if `off_loop`) under
-    `options` (the server's, or its API key's: `api.check_key`): each text's outputs
+    `options` (the server's, or its API key's: `Service.admit`): each text's outputs
     (`api.joined_outputs`' shape) and routes."""
     service = request.app.state.service
 
@@ -490,7 +498,7 @@ async def detect(request):
     service = request.app.state.service
     body = await read_body(request, service.options.max_body)
     fields = api.libre_fields(request.headers.get("content-type", ""), body)
-    options = api.check_key(service.keys, service.options, request.headers, fields)
+    options = service.admit(request, fields)
     text = api.detect_request(fields, options)
     candidates = api.source_languages(service.served)
     if not candidates:
@@ -515,7 +523,7 @@ async def translate_file(request):
         raise Problem(400, "Invalid request: send the file as multipart/form-data (fields "
                       "file, source, target)")
     fields, files = api.multipart_fields(content_type, body)
-    options = api.check_key(service.keys, service.options, request.headers, fields)
+    options = service.admit(request, fields)
     asked = await asyncio.to_thread(api.file_request, fields, files)  # a .docx is unzipped
     if asked.document is not None:  # .docx, .srt, .vtt: its texts as HTML, written back
         document = asked.document

@@ -82,7 +82,7 @@ def start_processes(device_option: str, timeout_minutes: float,
         what = (f"DDP on one rank ({ONE_RANK_SWITCH}=1): rank 0/1" if one_rank_group
                 else f"rank {rank}/{world_size}")
         say(f"train: {what} on {socket.gethostname()} pid {os.getpid()}, {device} "
-              f"({backend}), {torch.get_num_threads()} threads")
+            f"({backend}), {torch.get_num_threads()} threads")
     return Processes(rank, world_size, device, one_rank_group)
 
 

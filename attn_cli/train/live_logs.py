@@ -207,4 +207,4 @@ class WandbLog:
         if getattr(self.run, "offline", False):
             sessions = Path(self.run.dir).parent.parent  # RUN_DIR/wandb/offline-run-*/files
             say(f"train: W&B run {self.run.id} is offline: `wandb sync {sessions}/offline-run-*`"
-                  " uploads it")
+                " uploads it")

@@ -447,7 +447,7 @@ def test_a_run_directory_rank_0_cannot_make_stops_every_rank_with_one_line(data_
                            "Error: [Errno ")
 
 
-@pytest.mark.slow
+@pytest.mark.long  # two processes that wait out their --start-timeout: ~11 s
 @pytest.mark.parametrize("hang", ["a rank that never comes", "a first collective that hangs"])
 def test_a_process_group_that_cannot_start_stops_within_start_timeout(data_files, tmp_path,
                                                                        hang):
