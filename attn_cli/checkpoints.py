@@ -340,7 +340,10 @@ def write_average(output: Path, first: LoadedModel, mean: dict[str, torch.Tensor
     tgt_vocab = None if first.tgt_vocab is first.src_vocab else first.tgt_vocab
     save_model(output, model, first.src_vocab, tgt_vocab,
                averaged_from=json.dumps(sources),
-               preset=first.metadata.get("preset", ""), **init_provenance(first))
+               preset=first.metadata.get("preset", ""),
+               **({"architecture": first.metadata["architecture"]}
+                  if "architecture" in first.metadata else {}),
+               **init_provenance(first))
 
 
 class RunLock:

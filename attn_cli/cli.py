@@ -19,7 +19,14 @@ from typing import Annotated, List, Optional
 import typer
 
 from . import __version__
-from .config import ALPHA_HIGHEST, MAX_LEN_A_HIGHEST, PRESETS, SERVE_DEFAULTS, TRAIN_DEFAULTS
+from .config import (
+    ALPHA_HIGHEST,
+    ARCHITECTURE_CHOICES,
+    MAX_LEN_A_HIGHEST,
+    PRESETS,
+    SERVE_DEFAULTS,
+    TRAIN_DEFAULTS,
+)
 from .errors import AttnError, is_out_of_memory, out_of_memory_line, say
 from .formats import (
     BATCH_TOKENS,
@@ -116,6 +123,8 @@ ValidMetric = _choices("ValidMetric", VALID_METRICS)
 GradSync = _choices("GradSync", GRAD_SYNC)
 CudnnAttention = _choices("CudnnAttention", CUDNN_ATTENTION)
 TrainCompile = _choices("TrainCompile", TRAIN_COMPILE)
+NormPlace = _choices("NormPlace", ARCHITECTURE_CHOICES["norm"])
+PositionKind = _choices("PositionKind", ARCHITECTURE_CHOICES["positions"])
 WandbMode = _choices("WandbMode", ("offline", "online"))  # train --wandb-mode
 
 
@@ -448,6 +457,28 @@ def train(
         "kernels, which build a graph for every new batch shape (on an H100 with torch 2.11, "
         "base on WMT-shaped batches trained 4.4x slower with them); auto: torch chooses. CUDA "
         "only: no effect on a CPU."),
+    encoder_layers: Optional[int] = typer.Option(
+        None, "--encoder-layers", min=1, help="Encoder layers (N), over the preset's: with the "
+        "options below, any network of the preset's family; the model file names what changed "
+        "(\"small + decoder_layers=1\"), and a resume must keep it."),
+    decoder_layers: Optional[int] = typer.Option(None, "--decoder-layers", min=1,
+                                                 help="Decoder layers, over the preset's."),
+    d_model: Optional[int] = typer.Option(
+        None, "--d-model", min=1, help="d_model, over the preset's (d_k = d_v = d_model / "
+        "heads unless --d-k/--d-v are given)."),
+    d_ff: Optional[int] = typer.Option(None, "--d-ff", min=1, help="The feed-forward's inner "
+                                       "width, over the preset's."),
+    heads: Optional[int] = typer.Option(None, "--heads", min=1, help="Attention heads (h), "
+                                        "over the preset's."),
+    d_k: Optional[int] = typer.Option(None, "--d-k", min=1, help="Query and key width per "
+                                      "head, over the preset's."),
+    d_v: Optional[int] = typer.Option(None, "--d-v", min=1, help="Value width per head, over "
+                                      "the preset's."),
+    norm: Optional[NormPlace] = typer.Option(
+        None, "--norm", help="post: LayerNorm after each residual (the paper's); pre: before "
+        "each sub-layer, with a final norm (steadier for deep stacks)."),
+    positions: Optional[PositionKind] = typer.Option(
+        None, "--positions", help="sinusoidal (the paper's) or learned (Table 3 row E)."),
     compile: TrainCompile = typer.Option(
         TrainCompile.auto, "--compile", help="Each encoder and decoder layer through torch's "
         "compiler (inductor; dynamic shapes, so one graph serves every batch): on, off, or "
@@ -510,6 +541,11 @@ def train(
 
     check_guidance_options(options)
     check_data_options(options)
+    architecture = options.architecture()  # one error line where they make no network
+    if init is not None and architecture:
+        raise AttnError(f"--init {init} brings its own network: leave out "
+                        + ", ".join(f"--{name.replace('_', '-')}" for name in architecture
+                                    if getattr(options, name) is not None))
     if init is not None:
         # A --preset typed beside --init must match the model's architecture; its default
         # only lends the recipe. (By name: Typer may bring its own copy of click's enum.)

@@ -292,6 +292,19 @@ class TrainOptions:
     # each encoder and decoder layer through torch.compile: on, off, auto (on a GPU when a
     # forward pass holds >= 12,500 tokens; train/compiled.py says why)
     compile: str = _option("auto", on_resume=FREE)  # formats.TRAIN_COMPILE
+    # The network over the preset's (None: the preset's): `architecture()` checks them and
+    # derives d_k = d_v = d_model / heads where d_model or heads changed; a resume with other
+    # values is refused (start.check_resume), and the model file names them ("small +
+    # decoder_layers=1").
+    encoder_layers: int | None = _option(None)
+    decoder_layers: int | None = _option(None)
+    d_model: int | None = _option(None)
+    d_ff: int | None = _option(None)
+    heads: int | None = _option(None)
+    d_k: int | None = _option(None)
+    d_v: int | None = _option(None)
+    norm: str | None = _option(None)  # "post" (the paper's) or "pre"
+    positions: str | None = _option(None)  # "sinusoidal" (the paper's) or "learned"
     # Guided alignment (Garg et al. 2019; not in the paper): the data file's word alignments
     # (`attn binarize --alignments`) supervise one encoder-decoder attention head, adding
     # alignment_lambda × its cross-entropy with them to the loss (train/guided.py).
@@ -314,6 +327,40 @@ class TrainOptions:
         return Recipe.from_preset(get_preset(self.preset), **{
             name: getattr(self, name) for name in Recipe.PRESET_FIELDS})
 
+    def architecture(self) -> dict:
+        """The architecture options given, over the preset's network: {field: value}, with d_k
+        and d_v derived as d_model / heads where d_model or heads was given and they were
+        not. AttnError, in one line, where they do not make a network."""
+        given = {name: getattr(self, name) for name in ARCHITECTURE_OPTIONS
+                 if getattr(self, name) is not None}
+        if not given:
+            return {}
+        preset = get_preset(self.preset)
+        for name, value in given.items():
+            if name in ("norm", "positions"):
+                allowed = ARCHITECTURE_CHOICES[name]
+                if value not in allowed:
+                    raise AttnError(f"--{name} must be one of {', '.join(allowed)}, not "
+                                    f"{value!r}")
+            elif not isinstance(value, int) or value < 1:
+                raise AttnError(f"--{name.replace('_', '-')} must be a whole number of at "
+                                f"least 1, not {value!r}")
+        d_model = given.get("d_model", preset.d_model)
+        heads = given.get("heads", preset.heads)
+        if "d_model" in given or "heads" in given:
+            missing = [name for name in ("d_k", "d_v") if name not in given]
+            if missing and d_model % heads:
+                raise AttnError(f"--d-model {d_model} is not divisible by --heads {heads}: "
+                                "each head gets d_model / heads dimensions; choose a d_model "
+                                "that heads divide, or give --d-k and --d-v")
+            given.update({name: d_model // heads for name in missing})
+        return given
+
+    def architecture_name(self) -> str:
+        """The preset's name and what changed of its network: "small + decoder_layers=1"."""
+        changed = self.architecture()
+        return self.preset + "".join(f" + {name}={value}" for name, value in changed.items())
+
     def record(self) -> dict:
         """Every option, the recipe's filled in, as JSON values: what a checkpoint keeps to tell
         a resumed run what it changes."""
@@ -321,6 +368,12 @@ class TrainOptions:
         return {key: str(value) if isinstance(value, Path) else
                 [str(path) for path in value] if isinstance(value, tuple) else value
                 for key, value in filled.items()}
+
+
+# `attn train`'s options over a preset's network (TrainOptions.architecture)
+ARCHITECTURE_OPTIONS = ("encoder_layers", "decoder_layers", "d_model", "d_ff", "heads", "d_k",
+                        "d_v", "norm", "positions")
+ARCHITECTURE_CHOICES = {"norm": ("post", "pre"), "positions": ("sinusoidal", "learned")}
 
 
 def train_options_where(on_resume: str) -> frozenset[str]:

@@ -419,7 +419,10 @@ def _save(run_dir: Path, step: int, run: _Run, elapsed: float) -> Path | None:
     try:
         path = checkpoints.save_checkpoint(run_dir, step, run.model, run.optimizer, state,
                                            run.data.src_vocab, tgt_vocab,
-                                           {"preset": run.options.preset, **run.provenance})
+                                           {"preset": run.options.preset,
+                                            **({"architecture": run.options.architecture_name()}
+                                               if run.options.architecture() else {}),
+                                            **run.provenance})
     except AttnError as error:  # a full disk: say what the run can go on from
         good = checkpoints.list_checkpoints(run_dir, need_state=True)
         raise AttnError(f"{error}; the last checkpoint safe to resume from is {good[-1][1]}"

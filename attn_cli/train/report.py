@@ -106,8 +106,11 @@ def dry_run_report(options: TrainOptions, vocab_size: int | None, world_size: in
         src_size, tgt_size = vocab_size, None
     else:
         raise AttnError("--dry-run needs a data file or --vocab-size")
-    config = preset.model_config(src_size, tgt_size, dropout=recipe.dropout)
-    return describe_model(preset, config, recipe, plan, notes=guidance_lines(options, config))
+    config = preset.model_config(src_size, tgt_size, dropout=recipe.dropout,
+                                 **options.architecture())
+    changed = [f"network     {options.architecture_name()}"] if options.architecture() else []
+    return describe_model(preset, config, recipe, plan,
+                          notes=changed + guidance_lines(options, config))
 
 
 def guidance_lines(options: TrainOptions, config: ModelConfig) -> list[str]:

@@ -108,7 +108,7 @@ def start(options: TrainOptions, processes: Processes) -> Start:
         torch.manual_seed(options.seed)
         scaler = torch.amp.GradScaler("cuda", enabled=dtype == "fp16")
         if resume_from is not None:
-            config = preset_config(options.preset, dropout, data)
+            config = preset_config(options.preset, dropout, data, options.architecture())
             loaded, state = load(run_dir, resume_from, processes.device)
             check_resume(loaded, state, config, data, options, processes)
             model = loaded.model.train()
@@ -125,7 +125,8 @@ def start(options: TrainOptions, processes: Processes) -> Start:
                                            checksums["init model file"])
             model.config = guided_config(model.config, options, data)  # as on resuming
         else:
-            config = guided_config(preset_config(options.preset, dropout, data), options, data)
+            config = guided_config(preset_config(options.preset, dropout, data,
+                                                 options.architecture()), options, data)
             model, provenance = Transformer(config).to(processes.device), {}
         return Start(data, valid, dtype, model.train(), adam(model), scaler, ResumePoint(),
                      provenance, resumed=False, mix=mix)
@@ -194,10 +195,13 @@ def data_file_names(options: TrainOptions) -> dict[str, Path]:
             for place, path in enumerate(options.data_files, start=1)}
 
 
-def preset_config(preset: str, dropout: float, data: Corpora) -> ModelConfig:
-    """The preset's network for the data's vocabulary, with the recipe's dropout."""
+def preset_config(preset: str, dropout: float, data: Corpora,
+                  architecture: dict | None = None) -> ModelConfig:
+    """The preset's network for the data's vocabulary, with the recipe's dropout and the
+    architecture options given over it (TrainOptions.architecture)."""
     return get_preset(preset).model_config(
-        len(data.src_vocab), None if data.shared_vocab else len(data.tgt_vocab), dropout=dropout)
+        len(data.src_vocab), None if data.shared_vocab else len(data.tgt_vocab), dropout=dropout,
+        **(architecture or {}))
 
 
 def adam(model: torch.nn.Module) -> torch.optim.Adam:
