@@ -31,6 +31,16 @@ def is_out_of_memory(error: BaseException) -> bool:
     return type(error).__name__ == "OutOfMemoryError"
 
 
+def compiler_error_line(error: BaseException) -> str:
+    """What a compiler's failure says, in a line: its first line naming an error where there
+    is one (C++ compilers' and inductor's texts start with the whole command line or a dump),
+    else its first line; cut to 200 characters."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = next((line for line in lines if "error:" in line), lines[0] if lines else "")
+    text = text or type(error).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 def out_of_memory_line(error: BaseException) -> str:
     """torch's first line of it (what was asked, what the device has), on one line."""
     return " ".join(str(error).split("\n")[0].split())[:200]

@@ -10,6 +10,8 @@ import torch
 
 from attn_cli.loss import label_smoothed_loss, projected_label_smoothed_loss
 
+from .peak_memory import loss_peak_growth
+
 
 def test_label_smoothing_by_hand():
     """Loss = -Σ_k q(k) log p(k) with q = (1-ε)·onehot + ε/V; padding targets ignored."""
@@ -97,31 +99,6 @@ def test_projected_loss_under_fp16_autocast_keeps_the_gradients_of_rare_tokens(d
     assert error.max() < (1e-4 if device == "cpu" else 1e-3), float(error.max())
 
 
-# The peak: Linux's VmHWM, reset first (ru_maxrss would carry the parent's peak into a child
-# started by vfork and exec: pytest's, ~1.2 GB by the end of the suite, hid the growth)
-PEAK_GROWTH = """
-import sys, torch
-from attn_cli.loss import label_smoothed_loss, projected_label_smoothed_loss
-torch.set_num_threads(1)
-generator = torch.Generator().manual_seed(0)
-hidden = torch.randn(2048, 256, generator=generator, requires_grad=True)
-weight = (torch.randn(16000, 256, generator=generator) * 0.05).requires_grad_()
-target = torch.randint(4, 16000, (2048,), generator=generator)
-hidden.grad = torch.zeros_like(hidden); weight.grad = torch.zeros_like(weight)
-def status(key):
-    with open("/proc/self/status") as lines:
-        return next(int(line.split()[1]) for line in lines if line.startswith(key))
-with open("/proc/self/clear_refs", "w") as reset:
-    reset.write("5")
-before = status("VmRSS:")
-if sys.argv[1] == "fused":
-    projected_label_smoothed_loss(hidden, weight, target, 0.1)[0].backward()
-else:
-    label_smoothed_loss(hidden @ weight.T, target, 0.1, pad_id=0)[0].backward()
-print(status("VmHWM:") - before)
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
                     reason="needs Linux's /proc/self/clear_refs to reset the peak")
@@ -130,11 +107,7 @@ def test_the_fused_loss_peaks_far_below_the_whole_batchs_logits():
     formula's peak grows by ~3x the batch's fp32 logits (125 MiB: the logits, the log-softmax,
     their gradient), the fused loss's by its blocks and the weight's gradient (measured 385
     against 99-107 MiB; benchmarks/loss_memory.py: 3,481 against 204 MiB at 8,192 x 37,000)."""
-    import subprocess
-    import sys
-
-    grown = {kind: int(subprocess.run([sys.executable, "-c", PEAK_GROWTH, kind],
-                                      capture_output=True, text=True, check=True).stdout)
+    grown = {kind: loss_peak_growth(2048, 16000, 256, kind)[0] / 1024
              for kind in ("formula", "fused")}  # KiB
     logits_kib = 2048 * 16000 * 4 / 1024
     assert grown["formula"] > 2 * logits_kib, grown

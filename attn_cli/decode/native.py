@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..devices import PackedFeedForward, PackedLinear
-from ..errors import say
+from ..errors import compiler_error_line, say
 from ..files import attn_cache
 from ..formats import Stop
 from ..model import DecoderCache, FeedForward, Transformer
@@ -88,7 +88,7 @@ def extension():
                                   extra_cflags=[*CFLAGS, *isa_flags()],
                                   verbose=False)
     except Exception as error:  # no compiler, no ninja, headers missing: the eager step then
-        return build_failure(error)
+        return compiler_error_line(error)
     finally:
         if path is None:
             os.environ.pop("PATH", None)
@@ -101,15 +101,6 @@ def isa_flags() -> list[str]:
     torch's "default", a CPU with neither AVX2 nor AVX-512: the compiler's baseline then)."""
     isa = torch.backends.cpu.get_cpu_capability().lower()
     return ISA_FLAGS.get(isa, [])
-
-
-def build_failure(error: Exception) -> str:
-    """What went wrong, in a line: the compiler's first error where there is one (the
-    exception's text starts with the whole command line), else the exception's first line."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    text = next((line for line in lines if "error:" in line), lines[0] if lines else "")
-    text = text or type(error).__name__
-    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def native_linear(module, native, activation: str = "none"):

@@ -151,12 +151,6 @@ def _text(body: bytes) -> str:
 # ---------------------------------------------------------------------------------- the checks
 
 
-def check_key(keys, options: ServeOptions, headers: Mapping[str, str],
-              fields: dict | None = None) -> ServeOptions:
-    """`find_key`, then the options the request is held to (`options_for`)."""
-    return options_for(options, find_key(keys, headers, fields))
-
-
 def find_key(keys, headers: Mapping[str, str], fields: dict | None = None):
     """With --api-key or --api-keys (serve/keys.py's Keys): the key as 'Authorization: Bearer
     KEY', an X-API-Key header, or an `api_key` field (LibreTranslate's way): its Key, or 401

@@ -48,14 +48,6 @@ class Document:
     rebuild: Callable[[list[str]], bytes]
 
 
-def word_supported() -> bool:
-    try:
-        import docx  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def read_document(name: str, extension: str, data: bytes) -> Document:
     if extension in WORD_FILES:
         return read_docx(name, data)

@@ -123,10 +123,6 @@ class Keys:
                 found = key
         return found
 
-    def names(self) -> list[str]:
-        with self._lock:
-            return [key.name for key in (*self._single.values(), *self._from_file.values())]
-
     def reload(self, why: str = "SIGHUP") -> None:
         """Read the file again; where it no longer reads, keep the keys it had (one line)."""
         if self.path is None:

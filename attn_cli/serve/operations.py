@@ -75,9 +75,10 @@ class Metrics:
         self.rate_limited = Counter("attn_serve_rate_limited_requests", "Requests refused 429, "
                                     "over --req-limit or an API key's rate", **into)
         # by the key's name in --api-keys (or "api-key" for --api-key's), never its value; a
-        # key sent in the body (LibreTranslate's api_key field) is not counted here
+        # key sent in the body (LibreTranslate's api_key field) is named once it is read
+        # (Operations.charge_key)
         self.key_requests = Counter("attn_serve_key_requests", "Requests that carried an API "
-                                    "key in a header, by the key's name and the status",
+                                    "key, by the key's name and the status",
                                     ["key", "status"], **into)
         self.key_rate_limited = Counter("attn_serve_key_rate_limited_requests", "Requests "
                                         "refused 429 over their API key's rate, by the key's "
@@ -241,7 +242,7 @@ def client_of(scope: dict, keys) -> tuple[tuple, object]:
     key's it carries in a header, where the server takes that key, else its address's. A key
     the server does not take counts as none: a client cannot get a fresh bucket by making keys
     up. (A key sent as LibreTranslate's `api_key` field is in the body, not yet read here: such
-    requests count by address.)"""
+    requests count by address here, and by their key once it is read: Operations.charge_key.)"""
     if keys is not None and keys.required:
         for name, value in scope.get("headers", ()):
             given = (value[7:].strip() if name == b"authorization"

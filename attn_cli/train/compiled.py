@@ -29,6 +29,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import compiler_error_line
+
 # Tokens a forward pass of a process must hold for `auto` to compile on a GPU: the one measured
 # speed-up was at 25,000 (1.09x), the one slow-down at 3,125 (0.72x); between them, this.
 AUTO_MIN_TOKENS = 12_500
@@ -60,7 +62,7 @@ def compile_layers(model: torch.nn.Module, dtype: str,
     try:
         probe(model, dtype)
     except Exception as error:  # noqa: BLE001 (every process must reach `agree`)
-        failure = one_line(error)
+        failure = compiler_error_line(error)
     if agree(failure is not None):
         for layer in layers:
             layer._compiled_call_impl = None  # what nn.Module.compile set: eager again
@@ -98,10 +100,3 @@ def compilations() -> int:
     except ImportError:  # pragma: no cover (a torch without dynamo compiles nothing)
         return 0
     return int(counters["stats"]["unique_graphs"])
-
-
-def one_line(error: BaseException) -> str:
-    """The compiler's error in a line: its first line that says something, shortened."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    text = lines[0] if lines else type(error).__name__
-    return text if len(text) <= 200 else text[:197] + "..."

@@ -416,13 +416,13 @@ def _save(run_dir: Path, step: int, run: _Run, elapsed: float) -> Path | None:
                                     scaler=run.scaler.state_dict() if run.scaler.is_enabled()
                                     else {})
     tgt_vocab = None if run.data.shared_vocab else run.data.tgt_vocab
+    metadata = {"preset": run.options.preset, **run.provenance}
+    described = run.options.architecture_name()
+    if described != run.options.preset:  # the preset's network changed: say how
+        metadata["architecture"] = described
     try:
         path = checkpoints.save_checkpoint(run_dir, step, run.model, run.optimizer, state,
-                                           run.data.src_vocab, tgt_vocab,
-                                           {"preset": run.options.preset,
-                                            **({"architecture": run.options.architecture_name()}
-                                               if run.options.architecture() else {}),
-                                            **run.provenance})
+                                           run.data.src_vocab, tgt_vocab, metadata)
     except AttnError as error:  # a full disk: say what the run can go on from
         good = checkpoints.list_checkpoints(run_dir, need_state=True)
         raise AttnError(f"{error}; the last checkpoint safe to resume from is {good[-1][1]}"

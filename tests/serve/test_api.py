@@ -126,18 +126,23 @@ def test_libre_fields_a_form_or_json():
 # ----------------------------------------------------------------------------------- the checks
 
 
+def admitted(keys, options, headers, fields=None):
+    """The options a request is held to, as Service.admit finds them (its rate aside)."""
+    return api.options_for(options, api.find_key(keys, headers, fields))
+
+
 def test_the_api_key_in_any_of_its_three_places():
     options = ServeOptions()
-    assert api.check_key(Keys(), options, {}) is options  # no key: open
+    assert admitted(Keys(), options, {}) is options  # no key: open
     keys = Keys("k")
     for headers, fields in (({"authorization": "Bearer k"}, None),
                             ({"authorization": "bearer  k "}, None), ({"x-api-key": "k"}, None),
                             ({}, {"api_key": "k"})):
-        assert api.check_key(keys, options, headers, fields) is options
+        assert admitted(keys, options, headers, fields) is options
     for headers, fields in (({}, None), ({"authorization": "Bearer wrong"}, None),
                             ({"authorization": "k"}, None), ({}, {"api_key": 7})):
         with pytest.raises(Problem) as problem:
-            api.check_key(keys, options, headers, fields)
+            admitted(keys, options, headers, fields)
         assert problem.value.status == 401
         assert problem.value.headers == {"WWW-Authenticate": "Bearer"}
 
@@ -147,8 +152,8 @@ def test_a_key_of_the_key_file_holds_a_request_to_its_own_character_limit(tmp_pa
     path.write_text("small key-s 0 20\nplain key-p 0 -\n")
     options = ServeOptions(char_limit=1000, api_keys=path)
     keys = Keys(path=path)
-    assert api.check_key(keys, options, {"x-api-key": "key-p"}) is options
-    small = api.check_key(keys, options, {}, {"api_key": "key-s"})
+    assert admitted(keys, options, {"x-api-key": "key-p"}) is options
+    small = admitted(keys, options, {}, {"api_key": "key-s"})
     assert small.char_limit == 20 and small.max_lines == options.max_lines
     with pytest.raises(Problem) as problem:
         api.libre_request({"q": "x" * 21, "source": "en", "target": "de"}, small, 4)
