@@ -93,6 +93,8 @@ def sample_treebank(tmp_path) -> Path:
     ("wmt14-en-de", ["base", "big"], ["vocab", "binarize", "train", "average", "decode", "score"]),
     ("wmt14-en-fr", ["base", "big"], ["vocab", "binarize", "train", "average", "decode", "score"]),
     ("wsj-parse", [], ["parse", "vocab", "binarize", "train", "average", "score"]),
+    ("multi30k-student", ["all", "compare"], ["decode", "vocab", "binarize", "train",
+                                              "average", "score"]),
 ])
 def test_recipe_commands_exist(recipe, targets, expected, sample_treebank):
     commands = attn_commands(dry_run(recipe, *targets, SAMPLE=str(sample_treebank)))
@@ -124,6 +126,31 @@ def test_wmt_recipes_follow_the_paper():
     french = " ".join(dry_run("wmt14-en-fr", "big"))
     assert "--size 32000" in french and "--preset big-enfr" in french
     assert "--tokenize compound-split" in french
+
+
+def test_student_recipe_distils_the_demos_teacher_into_a_deep_shallow_student():
+    text = [re.sub(r"\s+", " ", line) for line in dry_run("multi30k-student", "compare")]
+    joined = " ".join(text)
+    # the teacher's beam-4 translations of the training sources are the student's targets
+    assert "decode -m ../multi30k/work/model.st --beam 4 < /nonexistent-work/distil.en" \
+        in joined
+    assert "vocab /nonexistent-work/distil.en /nonexistent-work/distil.de" in joined
+    assert "--size 4000" in joined
+    train = [line for line in text if line.startswith("attn train")]
+    assert len(train) == 1
+    assert "--preset small --encoder-layers 3 --decoder-layers 1 --norm pre --d-model 192 " \
+        "--d-ff 768" in train[0]
+    assert "--valid-ref /nonexistent-work/val.de" in train[0]  # the human references
+    # both models and the student's --int8, timed in turns in the same run
+    assert "-m benchmarks.decode_models" in joined and "--rounds 3" in joined
+    assert '--run "student --int8=' in joined and "--beams 4,1" in joined
+    # a teacher the demo has not made yet is made by the demo's own recipe
+    quick = " ".join(dry_run("multi30k-student", "compare", QUICK="1",
+                             TEACHER_WORK="nonexistent-teacher"))
+    assert "head -n 5000" in quick and "--max-time 3m" in quick
+    assert "make -C ../multi30k WORK=nonexistent-teacher QUICK=1 nonexistent-teacher/model.st" \
+        in re.sub(r"\s+", " ", quick).replace("make[1]: ", "")
+    assert "-o nonexistent-teacher/run --preset small" in quick  # the demo's own commands
 
 
 def test_multilingual_recipe_tags_each_pair_and_compares_with_single_pairs():
