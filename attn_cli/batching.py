@@ -325,8 +325,10 @@ def collate_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], bos_id: 
 
 
 def collate(data: ParallelData | Corpora, indices: np.ndarray) -> Batch:
-    """The pairs `indices` of a data file as a `Batch`."""
-    return collate_pairs([data.pair(int(i)) for i in indices])
+    """The pairs `indices` of a data file as a `Batch`, with its special ids (attn's, or an
+    imported model's: `ParallelData.special_ids`)."""
+    ids = data.special_ids
+    return collate_pairs([data.pair(int(i)) for i in indices], ids.bos, ids.eos, ids.pad)
 
 
 @dataclass(frozen=True)

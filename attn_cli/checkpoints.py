@@ -37,8 +37,10 @@ from .vocab import Vocabulary
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)\.st$")
 # The provenance of a fine-tuned model (`train --init`): the model file its run started from,
-# and that file's checksum. Every checkpoint of the run records them, and averages keep them.
-INIT_PROVENANCE = ("init", "init_sha256")
+# and that file's checksum, and how that model's vocabulary names languages (`lang_codes`: an
+# NLLB-200 or M2M-100 import's, which decoding needs). Every checkpoint of the run records
+# them, and averages keep them.
+INIT_PROVENANCE = ("init", "init_sha256", "lang_codes")
 
 
 def init_provenance(model: LoadedModel) -> dict[str, str]:

@@ -324,26 +324,57 @@ def binarize(
                              drop_copies=drop_copies, drop_control=drop_control,
                              drop_digit_mismatch=drop_digit_mismatch, langid=langid, langs=pair)
 
+    special_ids = target_tags = None
     if vocab_path.suffix == ".st" and not tgt_vocab_path:  # a model file: its vocabularies
+        from .data import SpecialIds
         from .modelfile import load_model
 
         loaded = load_model(vocab_path)
         src_vocab = loaded.src_vocab
         tgt_vocab = None if loaded.tgt_vocab is loaded.src_vocab else loaded.tgt_vocab
+        special_ids = SpecialIds.of_config(loaded.config)
+        if loaded.metadata.get("lang_codes"):  # NLLB-200, M2M-100: languages are tokens
+            source_tags, target_tags = _language_token_tags(loaded, vocab_path, pair,
+                                                            target_tag, tag, alignments)
     else:
         src_vocab = Vocabulary.from_file(vocab_path)
         tgt_vocab = Vocabulary.from_file(tgt_vocab_path) if tgt_vocab_path else None
     from .tags import binarize_tags
 
-    source_tags = binarize_tags(src_vocab, target_tag, [tag] if tag else [], str(vocab_path))
+    if target_tags is None:
+        source_tags = binarize_tags(src_vocab, target_tag, [tag] if tag else [],
+                                    str(vocab_path))
     policy = _utf8_policy(strict=not replace_invalid)
     stats = binarize_corpus(src, tgt, output, src_vocab, tgt_vocab, max_len=max_len,
                             threads=threads, policy=policy, alignments_path=alignments,
                             cleaning=cleaning, dropped_path=dropped, langs=pair,
-                            source_tags=source_tags)
+                            source_tags=source_tags, target_tags=target_tags,
+                            special_ids=special_ids)
     policy.finish()
     log(f"binarize: {stats.summary()}")
     log(f"binarize: wrote {output}" + (f" and {dropped}" if dropped and dropped != "-" else ""))
+
+
+def _language_token_tags(loaded, vocab_path: Path, pair, target_tag, tag, alignments):
+    """`attn binarize --vocab nllb.st --langs en-fr`: with a model whose languages are tokens
+    (NLLB-200, M2M-100), every source starts with the source's code and every target with the
+    target's, as the model was trained (its decoder writes the code first)."""
+    from .decode.translator import language_options
+    from .tags import SourceTags
+
+    if pair is None:
+        raise AttnError(f"{vocab_path} names its languages by tokens (NLLB-200, M2M-100): say "
+                        "the pair with --langs (en-fr, or eng_Latn-fra_Latn)")
+    if target_tag or tag or alignments:
+        raise AttnError("--target-tag, --tag and --alignments are not for a model whose "
+                        "languages are tokens: --langs puts each side's code first")
+    ids = language_options(loaded.metadata, loaded.src_vocab, pair[0], pair[1],
+                           f"model file {vocab_path}", "--langs")
+    vocabulary = loaded.src_vocab
+    pieces = {side: " ".join(vocabulary.piece(index) for index in ids[key])
+              for side, key in (("source", "source_tags"), ("target", "target_start"))}
+    return (SourceTags(ids["source_tags"], {"source_tags": pieces["source"]}),
+            SourceTags(ids["target_start"], {"target_tags": pieces["target"]}))
 
 
 # ---------------------------------------------------------------------------------------- train
@@ -696,13 +727,17 @@ def decode(
     source_lang: Optional[str] = typer.Option(
         None, "--source-lang", metavar="CODE", help="The language whose rules "
         "--split-sentences cuts by (en, de, ja, pt-BR: its region ignored) [default: the "
-        "model file's source language, if it names one; else English's rules]."),
+        "model file's source language, if it names one; else English's rules]; with a model "
+        "imported from NLLB-200 or M2M-100, also the language code every source starts with "
+        "(eng_Latn, or en)."),
     target_lang: Optional[str] = typer.Option(
         None, "--target-lang", metavar="CODE", help="Translate into this language, with a "
         "model of several target languages: every line's source starts with the language's "
         "tag, as the model was trained (<2fr>, from `attn vocab --tags` and `binarize "
-        "--target-tag`; >>fra<< in a model imported from OPUS-MT). A code the model has no "
-        "tag for is an error listing those it has."),
+        "--target-tag`; >>fra<< in a model imported from OPUS-MT); with one imported from "
+        "NLLB-200 or M2M-100 (fra_Latn, __fr__, or the ISO 639-1 fr) every output starts "
+        "with the language's token, forced, as generate(forced_bos_token_id=...) does. A "
+        "code the model has no tag for is an error listing those it has."),
     prefix: bool = typer.Option(
         False, "--prefix", help="Each line is `source<TAB>prefix` (a line without a tab has "
         "no prefix): its outputs start with the prefix, as the target vocabulary's pieces of "
@@ -768,7 +803,13 @@ def decode(
     )
     from .decode.translator import load_translator
 
-    check_split_sentences(split_sentences, source_lang, nbest, attention is not None)
+    language_tokens = _language_tokens(model_path[0])
+    if language_tokens and target_lang is None:
+        raise AttnError(f"{model_path[0]} translates between many languages (NLLB-200 or "
+                        "M2M-100): say which with --target-lang (fra_Latn, or the ISO 639-1 "
+                        "fr) and, if not English, --source-lang")
+    check_split_sentences(split_sentences, source_lang, nbest, attention is not None,
+                          language_tokens)
     check_controls(prefix, constraints, split_sentences, attention is not None, sample,
                    glossary is not None)
     check_alignment(alignment, alignment_layer, raw)
@@ -780,7 +821,8 @@ def decode(
                                  temperature=temperature, seed=seed,
                                  batch_tokens=batch_tokens, buffer_size=buffer_size, raw=raw,
                                  int8=int8, constraint_search=constraint_search,
-                                 target_lang=target_lang, compile=compile.value,
+                                 target_lang=target_lang, source_lang=source_lang,
+                                 compile=compile.value,
                                  step=step.value,
                                  glossary=glossary, bans=ban, shortlist=shortlist_path)
     if target_lang is None:
@@ -808,6 +850,18 @@ def decode(
         log(f"decode: attention maps of {len(writer.pieces)} lines in {attention}")
     log(f"decode: {stats.summary()}")
     _write_stats(stats_json, stats, loaded_in)
+
+
+def _language_tokens(model_path: Path) -> bool:
+    """Whether a model file's languages are tokens of its vocabulary (NLLB-200, M2M-100: its
+    metadata `lang_codes`), read from its header; a file that cannot be read: False (the load
+    names its problem)."""
+    from .modelfile import read_model_header
+
+    try:
+        return "lang_codes" in read_model_header(model_path)[0].metadata
+    except AttnError:
+        return False
 
 
 @app.command()
@@ -1303,14 +1357,18 @@ app.add_typer(import_app, name="import")
 def import_hf(
     directory: Path = typer.Argument(..., metavar="DIR", help="A local MarianMTModel directory "
                                      "(what save_pretrained writes, with MarianTokenizer's "
-                                     "files: an OPUS-MT model, say)."),
+                                     "files: an OPUS-MT model, say), or an "
+                                     "M2M100ForConditionalGeneration one (NLLB-200, M2M-100, "
+                                     "with the tokenizer's sentencepiece.bpe.model)."),
     output: Path = typer.Option(..., "-o", "--output", help="The attn model file to write."),
 ) -> None:
-    """An attn model file from a Hugging Face Marian model (pip install 'attn[hf]'), for
-    decode, score, ensembles and `train --init`. Reads local files only."""
-    from .interop.hf import import_hf as convert
+    """An attn model file from a Hugging Face Marian, NLLB-200 or M2M-100 model (pip install
+    'attn[hf]'), for decode, serve, score, ensembles and `train --init`. Reads local files
+    only."""
+    from .interop.hf import import_hf
+    from .interop.m2m import import_m2m, is_m2m
 
-    convert(directory, output)
+    (import_m2m if is_m2m(directory) else import_hf)(directory, output)  # NLLB-200, M2M-100
     log(f"import: wrote {output}")
 
 

@@ -21,6 +21,8 @@ from typing import ClassVar
 from .errors import AttnError
 from .formats import BOS_ID, CONFIG_FORMAT_VERSION, EOS_ID, PAD_ID, UNK_ID
 
+POSITIONS = ("sinusoidal", "learned", "fairseq")
+
 
 @dataclass(frozen=True, kw_only=True)
 class Architecture:
@@ -35,7 +37,9 @@ class Architecture:
     d_v: int = 64
     dropout: float = 0.1  # P_drop: sub-layer outputs and embeddings+positions (§5.4)
     attention_dropout: float = 0.0  # not in the paper's base recipe; an option
-    positions: str = "sinusoidal"  # or "learned" (Table 3 row E)
+    # or "learned" (Table 3 row E); "fairseq" is fairseq's sinusoids (models imported from
+    # NLLB-200 and M2M-100: model.fairseq_positions)
+    positions: str = "sinusoidal"
     norm: str = "post"  # "post" as published: LayerNorm(x + Dropout(Sublayer(x))); "pre" an option
 
 
@@ -69,8 +73,9 @@ class ModelConfig(Architecture):
         problems = []
         if self.activation not in ("relu", "swish"):
             problems.append(f"activation must be 'relu' or 'swish', not {self.activation!r}")
-        if self.positions not in ("sinusoidal", "learned"):
-            problems.append(f"positions must be 'sinusoidal' or 'learned', not {self.positions!r}")
+        if self.positions not in POSITIONS:
+            problems.append(f"positions must be one of {', '.join(POSITIONS)}, not "
+                            f"{self.positions!r}")
         if self.norm not in ("post", "pre"):
             problems.append(f"norm must be 'post' or 'pre', not {self.norm!r}")
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:

@@ -216,7 +216,8 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
              cleaning: CleanOptions | None = None,
              dropped_path: str | os.PathLike | None = None,
              langs: tuple[str, str] | None = None,
-             source_tags: SourceTags | None = None) -> BinarizeStats:
+             source_tags: SourceTags | None = None, target_tags: SourceTags | None = None,
+             special_ids: SpecialIds | None = None) -> BinarizeStats:
     """Encode a parallel corpus into a data file. Pairs with an empty side or a side of more
     than `max_len` subwords are dropped and counted. `tgt_vocab`: a separate target vocabulary.
     `policy`: what invalid UTF-8 does (an error by default: training data should be clean).
@@ -224,7 +225,10 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
     in pieces for guided alignment. `cleaning`: the filters that drop more (cleaning.py), each
     counted; `dropped_path`: a file naming each dropped pair (cleaning.DroppedWriter); `langs`:
     the (source, target) languages, recorded in the metadata (`langs`, "en-de"); `source_tags`:
-    the tags every source starts with (tags.py: a target language's, bt), and their metadata."""
+    the tags every source starts with (tags.py: a target language's, bt), and their metadata;
+    `target_tags`: the ids every target starts with (an NLLB-200 or M2M-100 model's target
+    language code, which its decoder writes first); `special_ids`: those of the model whose
+    vocabularies these are (attn's own by default), recorded for `collate`."""
     stdin = [path for path in (src_path, tgt_path, alignments_path) if str(path) == "-"]
     if len(stdin) > 1:
         raise AttnError("only one of the source, the target and the alignments can be stdin")
@@ -257,7 +261,7 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
                          for side in SIDES}
                 del raw  # keep one chunk alive at a time: memory stays flat however long the corpus
                 encoded = {side: _encode_side(texts[side], vocabularies[side], threads,
-                                              source_tags if side == "src" else None)
+                                              source_tags if side == "src" else target_tags)
                            for side in SIDES}
                 aligned = None if aligner is None else aligner.chunk(
                     raw_alignments, stats.lines + 1, texts,
@@ -277,7 +281,7 @@ def binarize(src_path: str | os.PathLike, tgt_path: str | os.PathLike,
             tensors = _data_tensors(writers, aligner, stats, src_vocab, tgt_vocab)
             metadata = _data_metadata(stats, src_vocab, tgt_vocab, max_len, src_path, tgt_path,
                                       cleaning if cleaner is not None else None, langs,
-                                      source_tags, alignments_path)
+                                      source_tags, alignments_path, special_ids)
             stfile.write_streaming(out_path, tensors, metadata)
         stats.seconds = time.perf_counter() - started
     except OSError as error:  # a full disk, a quota, a read-only file system
@@ -373,7 +377,8 @@ def _append_kept(encoded: dict, writers: dict, keep: np.ndarray, aligned: list |
 def _data_metadata(stats: BinarizeStats, src_vocab: Vocabulary, tgt_vocab: Vocabulary | None,
                    max_len: int, src_path, tgt_path, cleaning: CleanOptions | None = None,
                    langs: tuple[str, str] | None = None, source_tags: SourceTags | None = None,
-                   alignments_path=None) -> dict[str, str]:
+                   alignments_path=None, special_ids: SpecialIds | None = None
+                   ) -> dict[str, str]:
     """What a data file says of itself: format, vocabularies, counts, special ids, sources; the
     cleaning filters (`filters`, as CleanOptions.describe) and what each dropped (`dropped_NAME`),
     the language pair (`langs`, "en-de"), the sources' tags (`SourceTags.metadata`) and the
@@ -389,8 +394,7 @@ def _data_metadata(stats: BinarizeStats, src_vocab: Vocabulary, tgt_vocab: Vocab
         "dropped_empty": str(stats.dropped_empty),
         "dropped_too_long": str(stats.dropped_too_long), "max_len": str(max_len),
         "src_tokens": str(stats.src_tokens), "tgt_tokens": str(stats.tgt_tokens),
-        "pad_id": str(PAD_ID), "unk_id": str(UNK_ID), "bos_id": str(BOS_ID),
-        "eos_id": str(EOS_ID),
+        **(special_ids or SpecialIds()).metadata(),
         "src_file": Path(display_name(src_path)).name,
         "tgt_file": Path(display_name(tgt_path)).name,
     }
@@ -406,6 +410,33 @@ def _data_metadata(stats: BinarizeStats, src_vocab: Vocabulary, tgt_vocab: Vocab
         metadata["alignments_file"] = Path(display_name(alignments_path)).name
         metadata["alignment_pairs"] = str(stats.alignment_pairs)
     return metadata
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    """The ids a data file's pairs are collated with (`batching.collate_pairs`)."""
+
+    bos: int = BOS_ID
+    eos: int = EOS_ID
+    pad: int = PAD_ID
+    unk: int = UNK_ID
+
+    @classmethod
+    def of_config(cls, config) -> "SpecialIds":
+        return cls(config.bos_id, config.eos_id, config.pad_id, config.unk_id)
+
+    def metadata(self) -> dict[str, str]:
+        return {"pad_id": str(self.pad), "unk_id": str(self.unk), "bos_id": str(self.bos),
+                "eos_id": str(self.eos)}
+
+
+def special_ids_of(metadata: dict[str, str]) -> SpecialIds:
+    """A data file's special ids, from its metadata (attn's own where it names none)."""
+    try:
+        return SpecialIds(*(int(metadata.get(f"{name}_id", default)) for name, default in (
+            ("bos", BOS_ID), ("eos", EOS_ID), ("pad", PAD_ID), ("unk", UNK_ID))))
+    except ValueError:
+        raise AttnError("a data file's special ids are not numbers") from None
 
 
 class ParallelData:
@@ -457,6 +488,12 @@ class ParallelData:
     @property
     def shared_vocab(self) -> bool:
         return self.tgt_vocab is None
+
+    @property
+    def special_ids(self) -> SpecialIds:
+        """What its ids for BOS, EOS and padding are (`collate` puts them around each pair):
+        attn's own, or those of the model whose vocabularies binarized it (an import's)."""
+        return special_ids_of(self.metadata)
 
     def __len__(self) -> int:
         return len(self.src_lengths)
@@ -518,6 +555,11 @@ class Corpora:
     @property
     def shared_vocab(self) -> bool:
         return self.tgt_vocab is None
+
+    @property
+    def special_ids(self) -> SpecialIds:
+        """The files' special ids (one vocabulary: one model's ids, `check_mixable`)."""
+        return self.parts[0].special_ids
 
     def __len__(self) -> int:
         return len(self.src_lengths)

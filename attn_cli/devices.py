@@ -129,8 +129,21 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 LINEARS = ("dense", "packed", "int8")
 
 
+# The largest output projection packed for a CPU (bytes): packing copies the matrix, which the
+# embedding lookups still need as it is. NLLB-200's 256,206 × 1024 (1 GB in float32) stays dense:
+# a second gigabyte for a faster projection would put its memory at 1.4x its weights.
+PACKED_PROJECTION_BYTES = 256 << 20
+# The largest model whose layers are packed for a CPU (bytes of weights). A model file is
+# read through one memory map whose pages stay resident once read, so a packed copy of each
+# layer adds to them: NLLB-200-distilled-600M (2.46 GB) peaked at 2.07x its weights packed
+# (benchmarks/README.md, `nllb_shape`), where its layers, large enough for torch's dense matmul
+# to run at the memory's speed, gain little from the packed layout (made for small models' many
+# small calls: the demo's, `base`).
+PACKED_MODEL_BYTES = 1 << 30
+
+
 def inference_model(model: Transformer, device: torch.device, dtype: str = "fp32",
-                    linears: str = "dense") -> Transformer:
+                    linears: str = "dense", release: bool = False) -> Transformer:
     """A new model computing what `model` computes, for decoding and scoring: on `device`, in
     eval mode, without gradients, its weights in `dtype` (fp32, bf16, fp16: converted once,
     rather than cast at every call as autocast does), its linear layers and its output
@@ -141,10 +154,16 @@ def inference_model(model: Transformer, device: torch.device, dtype: str = "fp32
     `model` is left as it was, trainable and savable. The new model shares every tensor it
     takes unchanged (all of them when nothing is converted or packed; else the embeddings), so
     that a caller dropping `model` keeps a single copy of each weight; training `model` further
-    would change the shared ones."""
+    would change the shared ones. `release`: the caller gives `model` up, its tensors moved to
+    the meta device as soon as the new model holds them, so that each dense weight is freed as
+    its packed or int8 copy is made: a large model is never held twice (its peak memory about
+    one copy, not two)."""
     if linears not in LINEARS:
         raise ValueError(f"linears must be one of {', '.join(LINEARS)}, not {linears!r}")
     if linears == "packed" and not packed_linear_works():
+        linears = "dense"
+    if linears == "packed" and sum(tensor.numel() * tensor.element_size()
+                                   for tensor in model.parameters()) > PACKED_MODEL_BYTES:
         linears = "dense"
     config, precision = model.config, TORCH_DTYPES[dtype]
     state, converted = {}, {}
@@ -156,7 +175,8 @@ def inference_model(model: Transformer, device: torch.device, dtype: str = "fp32
     # The output projection: the target embedding matrix (and bias) as its linear layers
     projection = None
     embedding, bias = state["tgt_embed.weight"], state.get("output_bias")
-    if linears == "packed":
+    if linears == "packed" and \
+            embedding.numel() * embedding.element_size() <= PACKED_PROJECTION_BYTES:
         projection = PackedLinear(embedding, bias)
     elif linears == "int8":  # made int8 below, with the other linear layers
         projection = nn.Linear(config.d_model, config.tgt_vocab_size, bias=bias is not None,
@@ -167,6 +187,9 @@ def inference_model(model: Transformer, device: torch.device, dtype: str = "fp32
     with torch.device("meta"):  # no memory: the tensors above replace every parameter
         prepared = Transformer(config, output_projection=projection)
     prepared.load_state_dict(state, assign=True)
+    if release:  # the new model holds the only references: packing frees each dense weight
+        model.to("meta")
+    del state, converted, embedding, bias
     # The position table, made on the CPU in float32, joins the weights' device and dtype
     prepared = prepared.to(device, precision).eval().requires_grad_(False)
     if linears == "packed":

@@ -40,6 +40,23 @@ def sinusoidal_positions(length: int, d_model: int, start: int = 0) -> Tensor:
     return table.float()
 
 
+def fairseq_positions(length: int, d_model: int, start: int = 0, padding_id: int = 1) -> Tensor:
+    """fairseq's sinusoids (`SinusoidalPositionalEmbedding`), which NLLB-200 and M2M-100 were
+    trained with, for the `length` positions from `start` (0: a sequence's first token): the
+    sines in the first half of d_model and the cosines in the second (not interleaved), the
+    frequencies 10000^(-i / (d_model/2 - 1)) (not §3.5's 10000^(-2i/d_model)), and position p
+    read from row p + padding_id + 1 of fairseq's table (its rows up to the padding id are for
+    padding). Not a permutation of §3.5's table: a model trained with one needs that one."""
+    cpu = torch.device("cpu")
+    half = d_model // 2
+    frequency = torch.exp(torch.arange(half, dtype=torch.float64, device=cpu)
+                          * -(math.log(10000.0) / (half - 1)))
+    position = torch.arange(start, start + length, dtype=torch.float64, device=cpu) \
+        + padding_id + 1
+    angle = position[:, None] * frequency[None, :]  # (L, D/2)
+    return torch.cat([torch.sin(angle), torch.cos(angle)], dim=1).float()
+
+
 class Dropout(nn.Dropout):
     """§5.4 residual dropout. On a CPU the mask comes from 16-bit slices of the generator's
     64-bit words, compared with round(p · 2^16): four draws per random word instead of the
@@ -456,7 +473,7 @@ class Transformer(nn.Module):
         self.embed_scale = math.sqrt(d_model)
         if config.positions == "learned":
             self.learned_positions = Embedding(config.max_positions, d_model)
-        self.register_buffer("sinusoids", sinusoidal_positions(config.max_positions, d_model),
+        self.register_buffer("sinusoids", self.position_table(config.max_positions),
                              persistent=False)
         self.embed_dropout = Dropout(config.dropout)
         self.encoder_layers = nn.ModuleList(EncoderLayer(config)
@@ -505,7 +522,13 @@ class Transformer(nn.Module):
         # Past the table (a long search): these rows computed, in the table's device and dtype
         # (a bf16 model's positions stay bf16), and not stored: a forward pass changes no state
         # of the model, which several searches may run at once.
-        return sinusoidal_positions(length, self.config.d_model, start).to(self.sinusoids)
+        return self.position_table(length, start).to(self.sinusoids)
+
+    def position_table(self, length: int, start: int = 0) -> Tensor:
+        """The fixed positions' rows from `start` (§3.5's sinusoids, or fairseq's)."""
+        if self.config.positions == "fairseq":
+            return fairseq_positions(length, self.config.d_model, start, self.config.pad_id)
+        return sinusoidal_positions(length, self.config.d_model, start)
 
     def embed(self, embedding: nn.Embedding, tokens: Tensor, start: int = 0) -> Tensor:
         """§3.4-3.5: Dropout(sqrt(d_model) · E[tokens] + PE)."""

@@ -429,10 +429,12 @@ class CalledOff:
 
 
 def banned_ids(config, banned: tuple[int, ...] | None, device) -> Tensor:
-    """The tokens a search never chooses (default: padding and BOS), on the device once, not
-    uploaded at every step."""
-    return torch.tensor((config.pad_id, config.bos_id) if banned is None else banned,
-                        dtype=torch.long, device=device)
+    """The tokens a search never chooses (default: padding and BOS, unless BOS is EOS, as in
+    fairseq's models, whose decoder starts from EOS), on the device once, not uploaded at every
+    step."""
+    if banned is None:
+        banned = (config.pad_id,) + ((config.bos_id,) if config.bos_id != config.eos_id else ())
+    return torch.tensor(banned, dtype=torch.long, device=device)
 
 
 def length_penalties(longest: int, alpha: float, device) -> Tensor:

@@ -200,3 +200,79 @@ def opus_language_code(line: str) -> tuple[str | None, str]:
         if end != -1:
             return line[:end + 2], line[end + 2:]
     return None, line
+
+
+# ------------------------------------------------------- NLLB-200 and M2M-100: languages forced
+#
+# NLLB-200's and M2M-100's language codes are tokens of their vocabularies (interop/m2m.py): the
+# source's first, and the target's forced as the first output token. A model imported from
+# one says which spelling it uses (metadata `lang_codes`).
+LANG_CODE_PATTERNS = {"nllb": re.compile(r"([a-z]{3}_[A-Z][a-z]{3})"),
+                      "m2m100": re.compile(r"__([a-z]{2,3}(?:_[A-Za-z]+)?)__")}
+# ISO 639-1 codes (what LibreTranslate and `attn serve -m en-fr=...` name languages by) as
+# NLLB-200's: the language's most used script, and for a macrolanguage the variety NLLB trained
+# (ar: Modern Standard Arabic, fa: Western Persian, ms: Standard Malay, zh: Simplified).
+NLLB_ISO639_1 = dict(pair.split("=") for pair in """
+af=afr_Latn ak=aka_Latn am=amh_Ethi ar=arb_Arab as=asm_Beng ay=ayr_Latn az=azj_Latn ba=bak_Cyrl
+be=bel_Cyrl bg=bul_Cyrl bm=bam_Latn bn=ben_Beng bo=bod_Tibt bs=bos_Latn ca=cat_Latn cs=ces_Latn
+cy=cym_Latn da=dan_Latn de=deu_Latn dz=dzo_Tibt ee=ewe_Latn el=ell_Grek en=eng_Latn eo=epo_Latn
+es=spa_Latn et=est_Latn eu=eus_Latn fa=pes_Arab ff=fuv_Latn fi=fin_Latn fj=fij_Latn fo=fao_Latn
+fr=fra_Latn ga=gle_Latn gd=gla_Latn gl=glg_Latn gn=grn_Latn gu=guj_Gujr ha=hau_Latn he=heb_Hebr
+hi=hin_Deva hr=hrv_Latn ht=hat_Latn hu=hun_Latn hy=hye_Armn id=ind_Latn ig=ibo_Latn is=isl_Latn
+it=ita_Latn ja=jpn_Jpan jv=jav_Latn ka=kat_Geor kg=kon_Latn ki=kik_Latn kk=kaz_Cyrl km=khm_Khmr
+kn=kan_Knda ko=kor_Hang kr=knc_Latn ks=kas_Arab ku=kmr_Latn ky=kir_Cyrl lb=ltz_Latn lg=lug_Latn
+li=lim_Latn ln=lin_Latn lo=lao_Laoo lt=lit_Latn lv=lvs_Latn mg=plt_Latn mi=mri_Latn mk=mkd_Cyrl
+ml=mal_Mlym mn=khk_Cyrl mr=mar_Deva ms=zsm_Latn mt=mlt_Latn my=mya_Mymr nb=nob_Latn ne=npi_Deva
+nl=nld_Latn nn=nno_Latn no=nob_Latn ny=nya_Latn oc=oci_Latn om=gaz_Latn or=ory_Orya pa=pan_Guru
+pl=pol_Latn ps=pbt_Arab pt=por_Latn qu=quy_Latn rn=run_Latn ro=ron_Latn ru=rus_Cyrl rw=kin_Latn
+sa=san_Deva sc=srd_Latn sd=snd_Arab sg=sag_Latn si=sin_Sinh sk=slk_Latn sl=slv_Latn sm=smo_Latn
+sn=sna_Latn so=som_Latn sq=als_Latn sr=srp_Cyrl ss=ssw_Latn st=sot_Latn su=sun_Latn sv=swe_Latn
+sw=swh_Latn ta=tam_Taml te=tel_Telu tg=tgk_Cyrl th=tha_Thai ti=tir_Ethi tk=tuk_Latn tl=tgl_Latn
+tn=tsn_Latn tr=tur_Latn ts=tso_Latn tt=tat_Cyrl tw=twi_Latn ug=uig_Arab uk=ukr_Cyrl ur=urd_Arab
+uz=uzn_Latn vi=vie_Latn wo=wol_Latn xh=xho_Latn yi=ydd_Hebr yo=yor_Latn zh=zho_Hans zu=zul_Latn
+zh-hans=zho_Hans zh-hant=zho_Hant zh-cn=zho_Hans zh-tw=zho_Hant pt-br=por_Latn
+""".split())
+
+
+def lang_code_style(pieces: Sequence[str]) -> str | None:
+    """"nllb" or "m2m100" where a vocabulary's pieces hold that family's language codes (at
+    least two: one could be a word), else None."""
+    for style, pattern in LANG_CODE_PATTERNS.items():
+        if sum(1 for piece in pieces if pattern.fullmatch(piece)) >= 2:
+            return style
+    return None
+
+
+def forced_language_codes(vocabulary, style: str) -> dict[str, int]:
+    """The language codes of an NLLB-200 or M2M-100 vocabulary, each with its id: NLLB's by
+    its token (fra_Latn), M2M-100's by the code inside its token (fr for __fr__)."""
+    pattern = LANG_CODE_PATTERNS[style]
+    return {match[1]: index for index, piece in enumerate(vocabulary.pieces or ())
+            if (match := pattern.fullmatch(piece))}
+
+
+def forced_language_code(code: str, codes: dict[str, int], style: str, option: str,
+                         where: str) -> int:
+    """The id of language `code` in a model whose languages are tokens (`codes`,
+    `forced_language_codes`): the model's own code (fra_Latn, or __fr__ / fr), an ISO 639-1
+    one (fr, zh-Hant) or, for NLLB, ISO 639-3 where one script has it (fra). An unknown one is
+    an AttnError naming `option`, `where` and a few of the codes there are."""
+    spelled = LANG_CODE_PATTERNS[style].fullmatch(code)
+    if spelled and spelled[1] in codes:
+        return codes[spelled[1]]
+    if code in codes:
+        return codes[code]
+    if style == "nllb":
+        mapped = NLLB_ISO639_1.get(code.lower().replace("_", "-"))
+        if mapped in codes:
+            return codes[mapped]
+        scripts = [name for name in codes if name.split("_")[0] == code.lower()]
+        if len(scripts) == 1:
+            return codes[scripts[0]]
+    else:
+        base = code.lower().replace("_", "-").split("-")[0]
+        if base in codes:
+            return codes[base]
+    known = sorted(codes)
+    shown = ", ".join(known[:8]) + (f", ... ({len(known)} in all)" if len(known) > 8 else "")
+    raise AttnError(f"{option} {code}: {where} has no language {code!r} (its codes: {shown})")

@@ -378,3 +378,25 @@ def test_decoding_on_a_gpu_runs_attention_off_cudnn():
 
     load_models([FIXTURE_MODEL], "cuda")
     assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_a_released_model_is_emptied_and_a_large_projection_stays_dense(monkeypatch):
+    """`inference_model(release=True)`: the model given up is left on the meta device (its
+    weights freed as their packed copies are made) and the new one computes the same; an
+    output projection over PACKED_PROJECTION_BYTES stays the embedding matrix itself (a packed
+    copy would hold a large vocabulary twice)."""
+    if not devices.packed_linear_works():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    model = Transformer(PRESETS["tiny"].model_config(50, dropout=0.0)).eval()
+    src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 6))
+    kept = devices.inference_model(model, torch.device("cpu"), "fp32", "packed")
+    assert kept.output_projection is not None  # 50 × 64: packed
+    with torch.inference_mode():
+        expected = kept(src, tgt)
+    monkeypatch.setattr(devices, "PACKED_PROJECTION_BYTES", 0)
+    released = devices.inference_model(model, torch.device("cpu"), "fp32", "packed",
+                                       release=True)
+    assert all(parameter.is_meta for parameter in model.parameters())
+    assert released.output_projection is None  # the embedding matrix, dense
+    with torch.inference_mode():
+        assert torch.allclose(released(src, tgt), expected, atol=1e-5)

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from attn_cli.config import PRESETS, ModelConfig
-from attn_cli.model import MultiHeadAttention, Transformer, cpu_dropout_scale, sinusoidal_positions
+from attn_cli.model import (
+    MultiHeadAttention,
+    Transformer,
+    cpu_dropout_scale,
+    fairseq_positions,
+    sinusoidal_positions,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -291,3 +297,23 @@ def test_cpu_dropout_keeps_one_minus_p_and_rescales_exactly():
     assert torch.equal(cpu_dropout_scale(x, 0.1), scale)  # the seed decides
     assert not torch.equal(cpu_dropout_scale(x, 0.1), scale)
     assert torch.all(cpu_dropout_scale(x, 1.0) == 0)
+
+
+def test_fairseq_positions_are_fairseqs_formula_from_the_padding_id_on():
+    """NLLB-200's and M2M-100's positions: sin | cos halves, 10000^(-i/(d/2-1)), position p at
+    fairseq's row p + padding + 1; rows computed alone equal the table's; a model with them
+    reads them (`positions` "fairseq")."""
+    d_model, padding = 8, 1
+    table = fairseq_positions(6, d_model, padding_id=padding)
+    for position in range(6):
+        for i in range(d_model // 2):
+            angle = (position + padding + 1) * 10000 ** (-i / (d_model // 2 - 1))
+            assert table[position, i] == pytest.approx(math.sin(angle), abs=1e-6)
+            assert table[position, d_model // 2 + i] == pytest.approx(math.cos(angle), abs=1e-6)
+    assert torch.equal(fairseq_positions(2, d_model, start=3, padding_id=padding), table[3:5])
+    config = ModelConfig(src_vocab_size=20, tgt_vocab_size=20, d_model=d_model, heads=2, d_k=4,
+                         d_v=4, d_ff=16, encoder_layers=1, decoder_layers=1, positions="fairseq",
+                         pad_id=padding, max_positions=4)
+    model = Transformer(config)
+    assert torch.equal(model.positions(0, 6), table)  # past the table: computed alike
+    assert not torch.equal(model.positions(0, 6), sinusoidal_positions(6, d_model))

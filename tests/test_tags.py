@@ -359,3 +359,34 @@ def served_pairs(model, lines: list[str], decoded: dict[str, list[str]]) -> None
             ("xx-fr", ["\u2581<2fr>"]), ("xx-de", ["\u2581<2de>"])]
     finally:
         service.close()
+
+
+class _Pieces:
+    """A vocabulary's piece list alone (what `forced_language_codes` reads)."""
+
+    def __init__(self, pieces):
+        self.pieces = tuple(pieces)
+
+
+def test_nllb_and_m2m100_codes_are_found_and_named_by_iso_codes_too():
+    from attn_cli.tags import forced_language_code, forced_language_codes, lang_code_style
+
+    nllb = ["<s>", "<pad>", "</s>", "<unk>", "▁the", "eng_Latn", "fra_Latn", "zho_Hans",
+            "zho_Hant", "arb_Arab", "<mask>"]
+    m2m = ["<s>", "<pad>", "</s>", "<unk>", "▁the", "__en__", "__fr__", "__zh__"]
+    assert lang_code_style(nllb) == "nllb" and lang_code_style(m2m) == "m2m100"
+    assert lang_code_style(["<s>", "▁the", "eng_Latn"]) is None  # one could be a word
+    codes = forced_language_codes(_Pieces(nllb), "nllb")
+    assert codes == {"eng_Latn": 5, "fra_Latn": 6, "zho_Hans": 7, "zho_Hant": 8, "arb_Arab": 9}
+    name = lambda code: forced_language_code(code, codes, "nllb", "--target-lang", "x.st")  # noqa: E731
+    assert [name(c) for c in ("fra_Latn", "fr", "FR", "fra", "zh", "zh-Hant", "zh_TW", "ar")] \
+        == [6, 6, 6, 6, 7, 8, 8, 9]
+    with pytest.raises(AttnError, match=r"--target-lang zho: x.st has no language 'zho' \(its "
+                                        r"codes: arb_Arab, eng_Latn"):
+        name("zho")  # two scripts: which is not guessed
+    m2m_codes = forced_language_codes(_Pieces(m2m), "m2m100")
+    assert m2m_codes == {"en": 5, "fr": 6, "zh": 7}
+    assert [forced_language_code(c, m2m_codes, "m2m100", "-m", "x.st")
+            for c in ("__fr__", "fr", "zh-Hant", "en")] == [6, 6, 7, 5]
+    with pytest.raises(AttnError, match="-m de: x.st has no language 'de'"):
+        forced_language_code("de", m2m_codes, "m2m100", "-m", "x.st")

@@ -82,11 +82,13 @@ def alignment_attention(model, src_tokens: Tensor, tgt_input: Tensor,
 def align(model, sources: list[list[int]], outputs: list[list[int]],
           source_words: list[list[int]], output_words: list[list[int]],
           layer: int | None = None, heads: Sequence[int] | None = None,
-          sentences_per_pass: int = 32, tags: int = 0) -> list[Alignment]:
+          sentences_per_pass: int = 32, tags: int = 0, starts: int = 0) -> list[Alignment]:
     """Each pair's alignment: `sources` and `outputs` the ids (no BOS, no EOS, neither empty),
     `source_words` and `output_words` the word of each id (`piece_words`). `tags`: how many
     ids every source starts with that are no word of it (tags.py's target-language tags, which
-    `source_words` counts as -1): never aligned."""
+    `source_words` counts as -1): never aligned. `starts`: how many ids every output starts
+    with that its words leave out (a target language's code, forced: `Translator.target_start`):
+    attended from, never aligned."""
     config = model.config
     device = next(model.parameters()).device
     found = []
@@ -100,7 +102,7 @@ def align(model, sources: list[list[int]], outputs: list[list[int]],
             attention[:, :, :tags] = -math.inf
             nearest = attention.argmax(dim=-1).tolist()  # (B, T): the one read of the batch
         for offset, row in enumerate(nearest):
-            found.append(word_pairs(row, source_words[start + offset],
+            found.append(word_pairs(row[starts:], source_words[start + offset],
                                     output_words[start + offset]))
     return found
 
@@ -114,12 +116,13 @@ def source_pieces(vocab, line: str) -> list[str]:
 def align_lines(model, src_vocab, tgt_vocab, lines: list[str], outputs: list[list[int]],
                 max_source: int, layer: int | None = None,
                 heads: Sequence[int] | None = None,
-                source_tags: Sequence[int] = ()) -> list[Alignment]:
+                source_tags: Sequence[int] = (),
+                target_start: Sequence[int] = ()) -> list[Alignment]:
     """The alignment of each line with its output `outputs[i]` (output ids, as a search's
     `Hypothesis.tokens`): pairs over the words of the line and of the output's text (what
     `tgt_vocab.decode` makes of it). An empty line or output aligns nothing. `source_tags`:
     the ids the search put before each line (`--target-lang`'s tag), attended to, aligned with
-    nothing."""
+    nothing; `target_start`: the ids the search forced before each output, the same."""
     found: list[Alignment] = [[] for _ in lines]
     texts = tgt_vocab.decode(outputs)
     encoded = src_vocab.encode(lines)
@@ -138,8 +141,8 @@ def align_lines(model, src_vocab, tgt_vocab, lines: list[str], outputs: list[lis
                                                               len(word_spans(lines[i]))))
         out_words = piece_words([tgt_vocab.piece(token) for token in outputs[i]])
         output_words.append(clamped(out_words, len(word_spans(texts[i]))))
-    aligned = align(model, sources, [outputs[i] for i in todo], source_words, output_words,
-                    layer, heads, tags=len(source_tags))
+    aligned = align(model, sources, [[*target_start, *outputs[i]] for i in todo], source_words,
+                    output_words, layer, heads, tags=len(source_tags), starts=len(target_start))
     for i, alignment in zip(todo, aligned):
         found[i] = alignment
     return found

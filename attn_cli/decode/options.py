@@ -77,6 +77,9 @@ class DecodeOptions:
     worker_threads: int = 1  # torch threads of each of those
     # Ids put before every source line: a target language's tag (`--target-lang`, tags.py).
     source_tags: tuple[int, ...] = ()
+    # Ids every output starts with, forced and then taken off it: the target language's code
+    # of a model whose languages are tokens (NLLB-200, M2M-100: `Translator.with_target`).
+    target_start: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in RANGES:

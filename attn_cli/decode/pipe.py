@@ -95,12 +95,14 @@ def _unlocked_lines(stream) -> Iterator[bytes]:
 
 
 def check_split_sentences(split_sentences: bool, source_lang: str | None, nbest: int,
-                          attention: bool) -> None:
+                          attention: bool, language_tokens: bool = False) -> None:
     """`attn decode --split-sentences` with the options it goes with, refused before a model
     loads. A line becomes several searches: one line of output joins their best translations,
-    so there is no line's n-best list to print, nor one line's attention map to save."""
+    so there is no line's n-best list to print, nor one line's attention map to save.
+    `language_tokens`: the model's languages are tokens (NLLB-200, M2M-100), which
+    --source-lang also picks."""
     if not split_sentences:
-        if source_lang is not None:
+        if source_lang is not None and not language_tokens:
             raise AttnError("--source-lang is the language --split-sentences cuts sentences "
                             "by: add --split-sentences")
         return

@@ -58,7 +58,8 @@ class Translator:
     def __init__(self, loaded: LoadedModel, options: DecodeOptions, device: torch.device,
                  dtype: str = "fp32", warn=None, constraint_for=None,
                  ensemble: list[LoadedModel] = (), int8: bool = False, compile: str = "off",
-                 controls: DecodeControls = DecodeControls(), step: str = "auto"):
+                 controls: DecodeControls = DecodeControls(), step: str = "auto",
+                 release: bool = False):
         self.options, self.device = options, device
         # Of the loaded models the translator keeps what lines in and out need (the first
         # one's config, for the special ids, and vocabularies: an ensemble shares them) and a
@@ -67,9 +68,12 @@ class Translator:
         self.config, self.src_vocab, self.tgt_vocab = (loaded.config, loaded.src_vocab,
                                                        loaded.tgt_vocab)
         self.langs = model_langs(loaded.metadata)
+        self.metadata = dict(loaded.metadata)
         # `--int8`: int8 linear layers; else oneDNN's packed ones on a CPU, torch's on a GPU
         linears = "int8" if int8 else "packed" if device.type == "cpu" else "dense"
-        models = [inference_model(member.model, device, dtype, linears)
+        # `release`: the caller gives the loaded models up (`load_translator`): each weight is
+        # then held once, not twice while its packed copy is made (`inference_model`)
+        models = [inference_model(member.model, device, dtype, linears, release)
                   for member in (loaded, *ensemble)]
         self.model = models[0] if len(models) == 1 else Ensemble(models)
         self.warn = warn or say
@@ -92,6 +96,7 @@ class Translator:
                             "translation, not parsing")
         self.controls = controls
         self._word_pieces: WordPieces | None = None
+        self._special_outputs: frozenset[int] | None = None  # `without_start`'s, made once
         self._pool: ThreadPoolExecutor | None = None
 
     def _stepped(self, compile: str, int8: bool, step: str):
@@ -146,10 +151,16 @@ class Translator:
         return view
 
     def with_target(self, lang: str, where: str = "the model",
-                    option: str = "--target-lang") -> "Translator":
+                    option: str = "--target-lang", source: str | None = None) -> "Translator":
         """The same models translating into `lang`: every source starts with its target tag
         (tags.py: `<2fr>`, an OPUS-MT model's `>>fra<<`); one the vocabulary lacks is an
-        AttnError naming `where` (the model's file), `option` and the tags it has."""
+        AttnError naming `where` (the model's file), `option` and the tags it has. A model
+        whose languages are tokens (NLLB-200, M2M-100: `language_options`) starts every
+        source with the code of `source` (None: the model's own source, else English) and
+        every output with the code of `lang`."""
+        if self.metadata.get("lang_codes"):
+            return self.with_options(**language_options(self.metadata, self.src_vocab, source,
+                                                        lang, where, option))
         return self.with_options(source_tags=target_tags(self.src_vocab, lang, where, option))
 
     def encode(self, lines: list[str], first_line: int, where: str = "decode",
@@ -325,8 +336,9 @@ class Translator:
         eos, bans = self.config.eos_id, self.controls.bans
         words = self.word_pieces() if any(line.phrases for line in controls) else None
         if words is None or self.options.constraint_search == "all":
-            return self.search(ids, search_constraint(controls, bans, eos, words),
-                               line_numbers, cancelled, controls=controls)
+            return self.without_start(self.search(ids, search_constraint(controls, bans, eos,
+                                                                         words),
+                                                  line_numbers, cancelled, controls=controls))
         found = self.search(ids, search_constraint(free_controls(controls), bans, eos),
                             line_numbers, cancelled, controls=controls)
         misses = [place for place, (line, hypotheses) in enumerate(zip(controls, found))
@@ -345,7 +357,7 @@ class Translator:
                                 controls=[controls[place] for place in misses])
             for place, hypotheses in zip(misses, again):
                 found[place] = hypotheses
-        return found
+        return self.without_start(found)
 
     def word_pieces(self) -> WordPieces:
         """The target vocabulary's `lexical.WordPieces`, made once."""
@@ -357,10 +369,32 @@ class Translator:
         return self._word_pieces
 
     def controls_of(self, line: str, controls: Controls) -> Controls:
-        """A line's controls and the glossary's terms found in it."""
+        """A line's controls and the glossary's terms found in it, its output starting with the
+        options' `target_start` (forced as a prefix is, taken off by `search_controlled`)."""
+        if self.options.target_start:
+            controls = Controls(self.options.target_start + controls.prefix, controls.phrases)
         if self.controls.glossary is None:
             return controls
         return controls.with_phrases(self.controls.glossary.phrases(line))
+
+    def without_start(self, found: list[list[Hypothesis]]) -> list[list[Hypothesis]]:
+        """The hypotheses with the options' `target_start` taken off their tokens, and any
+        other language token or special piece they hold (a model whose languages are tokens
+        may write one), as `transformers` decodes with skip_special_tokens."""
+        starts = len(self.options.target_start)
+        if not starts:
+            return found
+        if self._special_outputs is None:
+            from ..tags import forced_language_codes
+
+            pieces = self.tgt_vocab.pieces or ()
+            self._special_outputs = frozenset(
+                forced_language_codes(self.tgt_vocab, self.metadata["lang_codes"]).values()) | {
+                index for index, piece in enumerate(pieces) if piece in ("<s>", "<mask>")}
+        special = self._special_outputs
+        return [[dataclasses.replace(h, tokens=[token for token in h.tokens[starts:]
+                                                if token not in special])
+                 for h in hypotheses] for hypotheses in found]
 
     def translate(self, lines: list[str]) -> list[str]:
         """The best translation of each line, in order (an empty line for an empty line); with
@@ -408,7 +442,8 @@ class Translator:
         own, `alignment.chosen_heads`). An ensemble's first model aligns."""
         model = self.model.models[0] if isinstance(self.model, Ensemble) else self.model
         return align_lines(model, self.src_vocab, self.tgt_vocab, lines, outputs,
-                           self.max_source, layer, heads, self.options.source_tags)
+                           self.max_source, layer, heads, self.options.source_tags,
+                           self.options.target_start)
 
     def translate_aligned(self, lines: list[str]) -> tuple[list[str], list[list[tuple[int, int]]]]:
         """The best translation of each line (detokenized: `--raw` does not apply) and its
@@ -442,6 +477,23 @@ def model_langs(metadata: dict[str, str]) -> tuple[str, str] | None:
         return None
 
 
+def language_options(metadata: dict[str, str], vocabulary, source: str | None, target: str,
+                     where: str, option: str = "--target-lang") -> dict:
+    """`DecodeOptions`' `source_tags` and `target_start` for a model whose languages are tokens
+    (NLLB-200, M2M-100: metadata `lang_codes`, interop/m2m.py): the source's code first in
+    every source (None: the model's own source language, else English, as their tokenizers
+    default), and the target's forced as every output's first token."""
+    from ..tags import forced_language_code, forced_language_codes
+
+    style = metadata["lang_codes"]
+    codes = forced_language_codes(vocabulary, style)
+    if source is None:
+        source = (model_langs(metadata) or ("en",))[0]
+    source_option = "--source-lang" if option == "--target-lang" else option
+    return {"source_tags": (forced_language_code(source, codes, style, source_option, where),),
+            "target_start": (forced_language_code(target, codes, style, option, where),)}
+
+
 def search_workers(threads: int, workers: int, device: torch.device) -> tuple[int, int]:
     """(batches searched side by side, torch threads of each). 0 (auto): on a CPU one batch
     per thread with one torch thread each (measured fastest: benchmarks/), on a GPU one batch
@@ -454,6 +506,7 @@ def search_workers(threads: int, workers: int, device: torch.device) -> tuple[in
 def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "auto",
                     dtype: str = "auto", threads: int = 0, workers: int = 0, warn=None,
                     constraint_for=None, int8: bool = False, target_lang: str | None = None,
+                    source_lang: str | None = None,
                     compile: str = "off", glossary=None, bans=None, shortlist=None,
                     step: str = "auto", **options) -> Translator:
     """A model file (a list of them: an ensemble) made ready to decode: the device (auto: a GPU
@@ -464,7 +517,8 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
     ...).
     `constraint_for(loaded model)`, if given, makes the search constraint's factory for that
     model (`tree_search.tree_constraints`: parsing). `target_lang`: translate into that
-    language, every source starting with its tag (`Translator.with_target`). What every line
+    language, every source starting with its tag (`Translator.with_target`); a model whose
+    languages are tokens (NLLB-200, M2M-100) also reads `source_lang`. What every line
     is held to (`controls.DecodeControls`, `controls.read_controls`): `glossary`, a TSV's path,
     a `glossary.Glossary` or source-to-target pairs, whose terms found in a line become phrases
     its outputs must hold; `bans`, a file's path or a list of phrases no output may hold;
@@ -488,12 +542,16 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
     read = read_controls(glossary, bans, shortlist)  # a bad file: an error before any load
     (loaded, *ensemble), chosen, threads = load_models(paths, device, threads)
     workers, worker_threads = search_workers(threads, workers, chosen)
+    where = f"model file {paths[0]}"
+    if not loaded.metadata.get("lang_codes"):
+        languages = {"source_tags": target_tags(loaded.src_vocab, target_lang, where)}
+    else:  # without a target: a server's, which picks each pair's (`Translator.with_target`)
+        languages = {} if target_lang is None else \
+            language_options(loaded.metadata, loaded.src_vocab, source_lang, target_lang, where)
     settings = dataclasses.replace(settings, workers=workers, worker_threads=worker_threads,
                                    batch_tokens=settings.batch_tokens or
-                                   search_batch_tokens(chosen),
-                                   source_tags=target_tags(loaded.src_vocab, target_lang,
-                                                           f"model file {paths[0]}"))
+                                   search_batch_tokens(chosen), **languages)
     return Translator(loaded, settings, chosen, inference_dtype(dtype, chosen), warn=warn,
                       constraint_for=constraint_for(loaded) if constraint_for else None,
                       ensemble=ensemble, int8=int8, compile=compile, step=step,
-                      controls=DecodeControls.made_for(loaded, *read))
+                      controls=DecodeControls.made_for(loaded, *read), release=True)

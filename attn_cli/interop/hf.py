@@ -165,7 +165,7 @@ def _check_marian_can_hold(config: ModelConfig) -> None:
     if config.norm != "post":
         problems.append("norm is 'pre' (Marian is post-norm)")
     if config.positions != "sinusoidal":
-        problems.append("positions are learned (Marian's are sinusoidal)")
+        problems.append(f"positions are {config.positions} (Marian's are §3.5's sinusoids)")
     if config.d_k != config.d_v or config.heads * config.d_k != config.d_model:
         problems.append(f"d_k {config.d_k}, d_v {config.d_v} with {config.heads} heads of "
                         f"d_model {config.d_model} (Marian needs d_k = d_v = d_model / heads)")

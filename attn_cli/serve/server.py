@@ -333,14 +333,21 @@ class Service:
 def tagged(translator, model: Model):
     """The translator of a served pair: where the model knows target-language tags (tags.py), a
     view whose sources start with the tag of the pair's target (`Translator.with_target`); a
-    model without them, as it is. A model of several targets served without a pair (or for a
-    target it has no tag for) is refused: its translations would be of no chosen language."""
+    model whose languages are tokens (NLLB-200, M2M-100), a view whose sources start with the
+    pair's source code and whose outputs with its target's; a model without them, as it is.
+    A model of several targets served without a pair (or for a target it has no tag for) is
+    refused: its translations would be of no chosen language."""
     from ..tags import vocabulary_tags
 
+    langs, path = model.served.langs, model.paths[0]
+    if translator.metadata.get("lang_codes"):  # NLLB-200, M2M-100: the languages are tokens
+        if langs is None:
+            raise AttnError(f"{path} translates between many languages (NLLB-200 or M2M-100): "
+                            f"serve it for each pair, -m en-fr,en-de={path}")
+        return translator.with_target(langs[1], f"model file {path}", "-m", source=langs[0])
     targets = vocabulary_tags(translator.src_vocab).targets
     if not targets:
         return translator
-    langs, path = model.served.langs, model.paths[0]
     if langs is None:
         example = ",".join(f"SOURCE-{code}" for code in sorted(targets)[:3])
         raise AttnError(f"{path} translates into several languages (its target tags: "

@@ -197,11 +197,13 @@ def data_file_names(options: TrainOptions) -> dict[str, Path]:
 
 def preset_config(preset: str, dropout: float, data: Corpora,
                   architecture: dict | None = None) -> ModelConfig:
-    """The preset's network for the data's vocabulary, with the recipe's dropout and the
-    architecture options given over it (TrainOptions.architecture)."""
+    """The preset's network for the data's vocabulary and its special ids (attn's, or those of
+    the model whose vocabulary binarized it), with the recipe's dropout and the architecture
+    options given over it (TrainOptions.architecture)."""
+    ids = data.special_ids
     return get_preset(preset).model_config(
         len(data.src_vocab), None if data.shared_vocab else len(data.tgt_vocab), dropout=dropout,
-        **(architecture or {}))
+        pad_id=ids.pad, unk_id=ids.unk, bos_id=ids.bos, eos_id=ids.eos, **(architecture or {}))
 
 
 def adam(model: torch.nn.Module) -> torch.optim.Adam:
@@ -272,12 +274,16 @@ def init_model(init: Path, dropout: float, data: Corpora, device: torch.device,
     check_init_vocabulary(init, loaded, data)
     model = Transformer(dataclasses.replace(loaded.config, dropout=dropout)).to(device)
     model.load_state_dict(loaded.model.state_dict(), strict=True)
-    return model, {"init": str(init), "init_sha256": init_sha256 or file_sha256(init)}
+    languages = {"lang_codes": loaded.metadata["lang_codes"]} \
+        if "lang_codes" in loaded.metadata else {}
+    return model, {"init": str(init), "init_sha256": init_sha256 or file_sha256(init),
+                   **languages}
 
 
 def check_init_vocabulary(init: Path, loaded: LoadedModel, data: Corpora) -> None:
     """The data must be in the model's pieces: the vocabularies' checksums must agree (those
-    of the first data file, which every other shares: Corpora)."""
+    of the first data file, which every other shares: Corpora), and so must the ids of BOS,
+    EOS and padding it is collated with (an imported model's own: OPUS-MT's </s> is 0)."""
     for side, vocabulary in (("src", loaded.src_vocab), ("tgt", loaded.tgt_vocab)):
         binarized_with = data.metadata.get(f"{side}_vocab_sha256")
         if binarized_with != vocabulary.checksum:
@@ -285,6 +291,12 @@ def check_init_vocabulary(init: Path, loaded: LoadedModel, data: Corpora) -> Non
                             f"file {init} ({side} vocabulary sha256 {str(binarized_with)[:12]} "
                             f"vs {vocabulary.checksum[:12]}): binarize it with the model's "
                             f"(`attn binarize --vocab {init} ...`)")
+    from ..data import SpecialIds
+
+    if data.special_ids != SpecialIds.of_config(loaded.config):
+        raise AttnError(f"{data.path} was binarized with {data.special_ids} as its special ids, "
+                        f"the model file {init} has {SpecialIds.of_config(loaded.config)}: "
+                        f"binarize it again with `attn binarize --vocab {init} ...`")
 
 
 def check_init_preset(init: Path, preset_name: str) -> None:

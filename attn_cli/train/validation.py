@@ -28,7 +28,7 @@ from ..data import ParallelData
 from ..devices import autocast, search_batch_tokens
 from ..errors import AttnError
 from ..files import display_name, read_raw_lines
-from ..formats import EOS_ID, PARSING, TRANSLATION, VALID_METRICS
+from ..formats import PARSING, TRANSLATION, VALID_METRICS
 from ..model import Transformer
 from ..modelfile import unwrap
 from ..parse.constraint import model_terminals, tree_constraint_for
@@ -49,6 +49,11 @@ class Validator:
     references: list  # reference texts, or gold trees (EvalbTree) for f1
     tgt_vocab: object
     batch_tokens: int | None  # None: devices.search_batch_tokens
+    # Ids every target of the data starts with (an NLLB-200 or M2M-100 model's target language
+    # code: `binarize --langs`), left out of the outputs' text: the model, trained to write
+    # them first, is searched freely (forcing them is `attn decode`'s, a feature train does not
+    # import)
+    target_start: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, metric: str, data: ParallelData, reference_path: str | None = None,
@@ -57,7 +62,7 @@ class Validator:
             raise AttnError(f"no validation decoding for the metric {metric!r}")
         tgt_vocab = data.tgt_vocab or data.src_vocab
         src_ids = [data.pair(i)[0].tolist() for i in range(len(data))]
-        sources = [ids + [EOS_ID] for ids in src_ids]
+        sources = [ids + [data.special_ids.eos] for ids in src_ids]
         words = [text.split() for text in data.src_vocab.decode(src_ids)]
         if reference_path is None:
             texts = tgt_vocab.decode([data.pair(i)[1].tolist() for i in range(len(data))])
@@ -66,7 +71,11 @@ class Validator:
         references = (_gold_trees(texts, words, reference_path, len(data)) if metric == "f1"
                       else texts if texts is not None
                       else _reference_lines(reference_path, len(data)))
-        return cls(metric, beam, sources, words, references, tgt_vocab, batch_tokens)
+        start = data.metadata.get("target_tags", "").split()
+        pieces = tgt_vocab.pieces or ()
+        target_start = tuple(pieces.index(piece) for piece in start if piece in pieces)
+        return cls(metric, beam, sources, words, references, tgt_vocab, batch_tokens,
+                   target_start)
 
     def hypotheses(self, model: torch.nn.Module) -> list[str]:
         """The model's output for every validation source, detokenized, in order."""
@@ -98,7 +107,8 @@ class Validator:
                                     longest=model.config.max_positions - 1 if learned else None,
                                     constraint=constraint)
                 for index, hypotheses in zip(batch, found):
-                    output[index] = hypotheses[0].tokens
+                    output[index] = [token for token in hypotheses[0].tokens
+                                     if token not in self.target_start]
         finally:
             model.train(was_training)
         return output

@@ -109,7 +109,7 @@ def saved_state(run_dir: Path, step: int) -> dict:
         return handle.metadata()
 
 
-@pytest.mark.slow
+@pytest.mark.long  # ~20 s on 2 cores: with the long tests, for make test's 4 minutes
 def test_two_gloo_processes_equal_one_process_and_resume_on_1_and_3(data_files, tmp_path):
     """torchrun with 2 CPU processes trains the same parameters as 1 process accumulating the
     same global batch (dropout on: its masks follow the micro-batch, not the process). With
