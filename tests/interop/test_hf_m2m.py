@@ -264,7 +264,7 @@ def test_a_model_without_a_sentencepiece_model_is_refused(nllb, tmp_path):
                        "sentencepiece.bpe.model: missing")
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a server of its own
 def test_serve_picks_each_pairs_languages(nllb):
     """`attn serve -m en-fr,en-de=nllb.st`: one model, each pair's source and target codes
     from its ISO 639-1 names; each pair answers what `attn decode` writes for it."""
@@ -290,7 +290,7 @@ def test_serve_picks_each_pairs_languages(nllb):
                        f"-m en-fr,en-de={output}")
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a training run of its own
 def test_fine_tuning_data_starts_each_side_with_its_code(nllb, corpus, tmp_path):
     """`attn binarize --vocab nllb.st --langs en-de`: the model's special ids recorded, each
     source and target starting with its language's code, as the tokenizer's `input_ids` and

@@ -118,7 +118,7 @@ def rows_of(run_dir: Path) -> list[dict]:
 # ------------------------------------------------------------------------------ fine-tuning
 
 
-@pytest.mark.slow
+@pytest.mark.long  # its two 40-step runs (~12 s): with the long tests, for make test's 4 minutes
 def test_finetuning_adapts_to_a_new_domain_better_than_training_anew(domains, model_a,
                                                                        runs_on_b):
     """Measured (seeds 1-8 of the runs on B, seeds 1-4 of A): A's model on B 5.85-5.97 nats
@@ -131,7 +131,7 @@ def test_finetuning_adapts_to_a_new_domain_better_than_training_anew(domains, mo
     assert finetuned < 0.8 * scratch, (start, finetuned, scratch)
 
 
-@pytest.mark.slow
+@pytest.mark.long  # runs_on_b's runs, as the test above
 def test_finetuning_starts_at_step_0_with_a_fresh_schedule_and_records_its_init(model_a,
                                                                                 runs_on_b):
     run_dir = runs_on_b["finetuned"]
