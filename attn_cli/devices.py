@@ -155,9 +155,9 @@ def inference_model(model: Transformer, device: torch.device, dtype: str = "fp32
     takes unchanged (all of them when nothing is converted or packed; else the embeddings), so
     that a caller dropping `model` keeps a single copy of each weight; training `model` further
     would change the shared ones. `release`: the caller gives `model` up, its tensors moved to
-    the meta device as soon as the new model holds them, so that each dense weight is freed as
-    its packed or int8 copy is made: a large model is never held twice (its peak memory about
-    one copy, not two)."""
+    the meta device as soon as the new model holds them, so that each dense weight can be freed
+    as its packed or int8 copy is made (a weight read from a memory-mapped file keeps its pages
+    while the file stays mapped: hence `PACKED_MODEL_BYTES`)."""
     if linears not in LINEARS:
         raise ValueError(f"linears must be one of {', '.join(LINEARS)}, not {linears!r}")
     if linears == "packed" and not packed_linear_works():
