@@ -65,22 +65,21 @@ def random_m2m(vocab_size: int, directory, seed: int, quiet_from: int | None = N
     model.save_pretrained(directory)
 
 
-@pytest.fixture(scope="module")
-def nllb(corpus, tmp_path_factory):
-    """An NLLB-200-shaped model: NllbTokenizer's ids (the language codes added tokens), its
-    sentencepiece.bpe.model beside it, as facebook/nllb-200-* ship it."""
-    lines = [line for name in ("train.en", "train.de")
-             for line in corpus[name].read_text(encoding="utf-8").splitlines()]
-    directory = tmp_path_factory.mktemp("nllb")
+def spm_directory(corpus, tmp_path_factory, name: str):
+    """A new model directory holding a fairseq-style sentencepiece.bpe.model learned on the
+    corpus's training text, and that model's bytes."""
+    lines = [line for side in ("train.en", "train.de")
+             for line in corpus[side].read_text(encoding="utf-8").splitlines()]
+    directory = tmp_path_factory.mktemp(name)
     spm = fairseq_spm(lines)
     (directory / "sentencepiece.bpe.model").write_bytes(spm)
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "NllbTokenizer", "src_lang": "eng_Latn", "tgt_lang": "fra_Latn"}))
-    tokenizer = transformers.NllbTokenizer.from_pretrained(
-        directory, additional_special_tokens=NLLB_CODES, src_lang="eng_Latn")
-    tokenizer.save_pretrained(directory)
-    random_m2m(len(tokenizer), directory, seed=11)
-    output = directory / "nllb.st"
+    return directory, spm
+
+
+def imported(directory, name: str, corpus):
+    """The saved model imported by `attn import hf` as `name`: (transformers' model, its
+    tokenizer, the attn model file, 8 validation sources)."""
+    output = directory / name
     result = run_attn("import", "hf", directory, "-o", output)
     assert result.returncode == 0, result.stderr
     model = transformers.M2M100ForConditionalGeneration.from_pretrained(directory).eval()
@@ -89,13 +88,23 @@ def nllb(corpus, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def nllb(corpus, tmp_path_factory):
+    """An NLLB-200-shaped model: NllbTokenizer's ids (the language codes added tokens), its
+    sentencepiece.bpe.model beside it, as facebook/nllb-200-* ship it."""
+    directory, spm = spm_directory(corpus, tmp_path_factory, "nllb")
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "NllbTokenizer", "src_lang": "eng_Latn", "tgt_lang": "fra_Latn"}))
+    tokenizer = transformers.NllbTokenizer.from_pretrained(
+        directory, additional_special_tokens=NLLB_CODES, src_lang="eng_Latn")
+    tokenizer.save_pretrained(directory)
+    random_m2m(len(tokenizer), directory, seed=11)
+    return imported(directory, "nllb.st", corpus)
+
+
+@pytest.fixture(scope="module")
 def m2m100(corpus, tmp_path_factory):
     """An M2M-100-shaped model: M2M100Tokenizer's vocab.json and its language tokens (__fr__)."""
-    lines = [line for name in ("train.en", "train.de")
-             for line in corpus[name].read_text(encoding="utf-8").splitlines()]
-    directory = tmp_path_factory.mktemp("m2m100")
-    spm = fairseq_spm(lines)
-    (directory / "sentencepiece.bpe.model").write_bytes(spm)
+    directory, spm = spm_directory(corpus, tmp_path_factory, "m2m100")
     processor = sentencepiece.SentencePieceProcessor(model_proto=spm)
     pieces = ["<s>", "<pad>", "</s>", "<unk>",
               *(processor.id_to_piece(i) for i in range(3, processor.get_piece_size()))]
@@ -107,12 +116,7 @@ def m2m100(corpus, tmp_path_factory):
     # its language tokens after the pieces, then 8 made-up words: M2M-100's 128,112 embeddings
     random_m2m(max(tokenizer.lang_token_to_id.values()) + 1 + 8, directory, seed=12,
                quiet_from=min(tokenizer.lang_token_to_id.values()))
-    output = directory / "m2m.st"
-    result = run_attn("import", "hf", directory, "-o", output)
-    assert result.returncode == 0, result.stderr
-    model = transformers.M2M100ForConditionalGeneration.from_pretrained(directory).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    return model, tokenizer, output, corpus["val.en"].read_text(encoding="utf-8").splitlines()[:8]
+    return imported(directory, "m2m.st", corpus)
 
 
 def their_ids(tokenizer, line: str, source: str) -> list[int]:
