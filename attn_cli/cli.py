@@ -157,7 +157,7 @@ ThreadsOption = Annotated[int, typer.Option("--threads", min=0,
                                             help="CPU threads (0: all cores).")]
 WorkersOption = Annotated[int, typer.Option(
     "--workers", min=0, help="Batches searched side by side, sharing the threads (0: one per "
-    "thread on a CPU, 1 on a GPU).")]
+    "thread on a CPU, 1 for a model over 1 GiB or on a GPU).")]
 BatchTokensOption = Annotated[Optional[int], typer.Option(
     "--batch-tokens", min=1, show_default=False, help="Source tokens × beam per search batch "
     f"[default: {BATCH_TOKENS} on a CPU, {GPU_BATCH_TOKENS} on a GPU].")]

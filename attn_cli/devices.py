@@ -140,6 +140,19 @@ PACKED_PROJECTION_BYTES = 256 << 20
 # to run at the memory's speed, gain little from the packed layout (made for small models' many
 # small calls: the demo's, `base`).
 PACKED_MODEL_BYTES = 1 << 30
+# The largest model (bytes of weights) searched by default, on a CPU, one batch per thread with
+# one torch thread each (`translator.search_workers`); a larger one is searched by one worker of
+# every thread. Each decoder step reads the decoder's weights and the output projection, and a
+# large model's step is bound by the memory's speed: batches searched side by side each read
+# them, where one batch of all the threads reads them once. NLLB-200-distilled-600M's shape on
+# 2 cores: greedy 1.20x faster with one worker, beam 4 as fast at less memory (benchmarks/
+# README.md, `nllb_shape`); the demo's and `base` are faster a batch per thread.
+LARGE_MODEL_BYTES = 1 << 30
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of a model's weights (a tied matrix once)."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in model.parameters())
 
 
 def inference_model(model: Transformer, device: torch.device, dtype: str = "fp32",
@@ -162,8 +175,7 @@ def inference_model(model: Transformer, device: torch.device, dtype: str = "fp32
         raise ValueError(f"linears must be one of {', '.join(LINEARS)}, not {linears!r}")
     if linears == "packed" and not packed_linear_works():
         linears = "dense"
-    if linears == "packed" and sum(tensor.numel() * tensor.element_size()
-                                   for tensor in model.parameters()) > PACKED_MODEL_BYTES:
+    if linears == "packed" and weight_bytes(model) > PACKED_MODEL_BYTES:
         linears = "dense"
     config, precision = model.config, TORCH_DTYPES[dtype]
     state, converted = {}, {}

@@ -19,6 +19,7 @@ one line on stderr saying why.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -83,10 +84,17 @@ def extension():
         # ninja as pip installs it (a dependency) sits beside the interpreter, which a venv's
         # python run by its path does not put on PATH
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path or ""])
-        return cpp_extension.load(name=NAME, sources=[str(SOURCE)],
-                                  build_directory=str(directory),
-                                  extra_cflags=[*CFLAGS, *isa_flags()],
-                                  verbose=False)
+        with open(directory / "build.lock", "a") as held:
+            # One process builds at a time, under a lock the kernel lets go of when its process
+            # ends, however it ends. cpp_extension's own lock is a file made and removed by the
+            # builder: one killed midway leaves it, and every later process would wait for it
+            # forever. Under this lock no one else builds here, so such a file is stale.
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (directory / "lock").unlink(missing_ok=True)
+            return cpp_extension.load(name=NAME, sources=[str(SOURCE)],
+                                      build_directory=str(directory),
+                                      extra_cflags=[*CFLAGS, *isa_flags()],
+                                      verbose=False)
     except Exception as error:  # no compiler, no ninja, headers missing: the eager step then
         return compiler_error_line(error)
     finally:

@@ -11,8 +11,9 @@ alone, the same rules over its own scores (decode/native/step.cpp, `Stream`): wh
 does not depend on what it flew with, as a batch's sentences do not.
 
 It runs on attn's C++ step with its fused kernels (`native.NativeDecoder`, float32, a free
-search: no constraint, shortlist or sampling); `supported` says whether a translator's lines can
-fly in one.
+search: no shortlist, sampling or phrases to hold; a sentence's output may start with a prefix
+it forces as `prefix.PrefixConstraint` does, a model's target-language token among them);
+`supported` says whether a translator's lines can fly in one.
 """
 
 from __future__ import annotations
@@ -65,9 +66,12 @@ class Stream:
         return self._stream.rows()
 
     @torch.inference_mode()
-    def add(self, keys: list[Hashable], ids: list[list[int]]) -> None:
+    def add(self, keys: list[Hashable], ids: list[list[int]],
+            prefixes: list[tuple[int, ...]] | None = None) -> None:
         """Sentences `ids` (source ids, EOS included) join at the next step, one encoder pass
-        for all of them; `keys` name them in what `step` returns."""
+        for all of them; `keys` name them in what `step` returns; `prefixes[i]`, the target ids
+        sentence i's outputs start with (`Controls.prefix`; None: none), kept in what `step`
+        returns as the batch search keeps them."""
         if not ids:
             return
         translator, options = self.translator, self.translator.options
@@ -83,7 +87,7 @@ class Stream:
             number = self._next
             self._next += 1
             self._keys[number] = key
-            self._stream.add(number, own, mask, limit)
+            self._stream.add(number, own, mask, limit, list(prefixes[row]) if prefixes else [])
             self._longest = max(self._longest, limit)
 
     def call_off(self, key: Hashable) -> None:

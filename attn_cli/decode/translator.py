@@ -17,7 +17,14 @@ import torch
 from ..alignment import pharaoh
 from ..batching import balanced_batches, pad_sequences
 from ..config import parse_langs
-from ..devices import inference_dtype, inference_model, pick_device, search_batch_tokens
+from ..devices import (
+    LARGE_MODEL_BYTES,
+    inference_dtype,
+    inference_model,
+    pick_device,
+    search_batch_tokens,
+    weight_bytes,
+)
 from ..ensemble import Ensemble, load_models
 from ..errors import AttnError, batch_must_fit, say
 from ..formats import COMPILE_MODES, MAX_SOURCE_TOKENS, STEP_MODES, TRANSLATION
@@ -257,12 +264,15 @@ class Translator:
             # A stream at beam search only: greedy's rows are whole sentences, hundreds in
             # flight, and the stream's per-sentence bookkeeping then costs more than batches
             # do (measured: benchmarks/README.md, stage B and iteration-level batching).
+            # A prefix flies too (a model's target-language token is one); phrases to hold
+            # need the constrained search.
             if self.options.beam > 1 and not self.constraint_for and \
-                    all(line == NONE for line in line_controls) and stream_supported(self):
+                    not any(line.phrases for line in line_controls) and stream_supported(self):
                 with batch_must_fit(f"search batches of {self.options.batch_tokens} source "
                                     "tokens × beam",
                                     f"lower --batch-tokens ({self.options.batch_tokens})"):
-                    found = self.stream_search(ids)
+                    found = self.without_start(self.stream_search(
+                        ids, [line.prefix for line in line_controls]))
                 for index, hypotheses in enumerate(found):
                     results[todo[index]] = hypotheses
                 return results
@@ -287,15 +297,20 @@ class Translator:
                                   f"could not hold every constraint within its length limit")
         return results
 
-    def stream_search(self, ids: list[list[int]]) -> list[list[Hypothesis]]:
-        """`search` of the sentences `ids` with iteration-level batching (`stream.Stream`):
+    def stream_search(self, ids: list[list[int]],
+                      prefixes: list[tuple[int, ...]] | None = None) -> list[list[Hypothesis]]:
+        """`search` of the sentences `ids` (their outputs starting with `prefixes`, forced as
+        `search_controlled` forces them) with iteration-level batching (`stream.Stream`):
         each worker flies a stream, longest sentences first, as many in flight as the source
-        budget holds (their tokens summed: a stream pads nothing); as sentences leave, the
+        budget holds (their tokens summed: a stream pads nothing) and its share of the lines
+        allows (a few lines split over the workers, not all in the first); as sentences leave, the
         next ones join, encoded together once a third of the budget is free, so that every
         step runs a full stream, not a batch's thinning tail. What a sentence finds is what
         `search` finds for it."""
         waiting = deque(sorted(range(len(ids)), key=lambda index: -len(ids[index])))
         budget = self.options.source_budget
+        workers = min(self.options.workers, len(ids))
+        share = math.ceil(len(ids) / workers)
         lock = threading.Lock()
 
         def fly(_) -> dict[int, list[Hypothesis]]:
@@ -304,13 +319,14 @@ class Translator:
                 with lock:
                     room, joining = budget - sum(held.values()), []
                     if room >= budget // 3 or not held:
-                        while waiting and (len(ids[waiting[0]]) <= room or not held
-                                           and not joining):
+                        while waiting and len(held) + len(joining) < share and \
+                                (len(ids[waiting[0]]) <= room or not held and not joining):
                             index = waiting.popleft()
                             joining.append(index)
                             room -= len(ids[index])
                 if joining:
-                    stream.add(joining, [ids[index] for index in joining])
+                    stream.add(joining, [ids[index] for index in joining],
+                               [prefixes[index] for index in joining] if prefixes else None)
                     held.update((index, len(ids[index])) for index in joining)
                 if not held:
                     return found
@@ -318,7 +334,6 @@ class Translator:
                     found[index] = hypotheses
                     del held[index]
 
-        workers = min(self.options.workers, len(ids))
         parts = self._workers().map(fly, range(workers)) if workers > 1 else [fly(0)]
         found = {index: hypotheses for part in parts for index, hypotheses in part.items()}
         return [found[index] for index in range(len(ids))]
@@ -494,12 +509,15 @@ def language_options(metadata: dict[str, str], vocabulary, source: str | None, t
             "target_start": (forced_language_code(target, codes, style, option, where),)}
 
 
-def search_workers(threads: int, workers: int, device: torch.device) -> tuple[int, int]:
+def search_workers(threads: int, workers: int, device: torch.device,
+                   model_bytes: int = 0) -> tuple[int, int]:
     """(batches searched side by side, torch threads of each). 0 (auto): on a CPU one batch
-    per thread with one torch thread each (measured fastest: benchmarks/), on a GPU one batch
-    at a time."""
+    per thread with one torch thread each (measured fastest: benchmarks/), but one batch of
+    every thread for a model of over `devices.LARGE_MODEL_BYTES` (`model_bytes`: the weights
+    of the models searched together); on a GPU one batch at a time."""
     if workers == 0:
-        workers = threads if device.type == "cpu" else 1
+        one = device.type != "cpu" or model_bytes > LARGE_MODEL_BYTES
+        workers = 1 if one else threads
     return workers, max(1, threads // workers)
 
 
@@ -541,7 +559,8 @@ def load_translator(model_path, beam: int = TRANSLATION.beam, *, device: str = "
         raise int8_refused
     read = read_controls(glossary, bans, shortlist)  # a bad file: an error before any load
     (loaded, *ensemble), chosen, threads = load_models(paths, device, threads)
-    workers, worker_threads = search_workers(threads, workers, chosen)
+    workers, worker_threads = search_workers(
+        threads, workers, chosen, sum(weight_bytes(each.model) for each in [loaded, *ensemble]))
     where = f"model file {paths[0]}"
     if not loaded.metadata.get("lang_codes"):
         languages = {"source_tags": target_tags(loaded.src_vocab, target_lang, where)}

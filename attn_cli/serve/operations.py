@@ -274,18 +274,21 @@ class Operations:
     def look_up(self, translator, lines: list[str], controls: list | None = None) -> Lookup:
         """The lines of a request to be searched with `translator`, against the cache, each
         with its controls (`controls[i]`: `controls.Controls`, in the key). A line with a
-        target prefix is neither looked up nor kept: autocompletion's prefixes change at every
-        keystroke."""
+        target prefix of its own is neither looked up nor kept: autocompletion's prefixes
+        change at every keystroke (a model's target-language token, which every line of the
+        language starts with, is not one)."""
         count = len(lines)
         if self.cache is None:
             return Lookup(lines, [None] * count, [None] * count)
         searched_as = search_key(translator)
+        starts = len(translator.options.target_start)
         # A sampled line's outputs depend on its place in the request too (search.py's
         # sentence_uniforms): in its key. A beam search's do not (batch independence).
         sampled = translator.options.sample
         keys = [(searched_as, line, place if sampled else None,
                  controls[place] if controls else None)
-                if line.strip() and not (controls and controls[place].prefix) else None
+                if line.strip() and not (controls and controls[place].prefix[starts:])
+                else None
                 for place, line in enumerate(lines)]
         found = [None if key is None else self.cache.get(key) for key in keys]
         hits = sum(1 for outputs in found if outputs is not None)

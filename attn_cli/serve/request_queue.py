@@ -11,7 +11,8 @@ A line's output depends only on the line and its settings (the search is indepen
 batching, as in `attn decode`), so which lines shared a batch never shows in an answer.
 
 Where the translator's search can be (`decode.stream.supported`: attn's C++ step with its fused
-kernels, a free beam search, a line with no controls), a worker's batch is a stream
+kernels, a free beam search, a line with no phrases to hold: a prefix, a model's target-language
+token among them, flies), a worker's batch is a stream
 (iteration-level batching, `decode.stream.Stream`): lines that arrive while it searches join it
 at the next step, up to the worker's share of the lines in flight and the token budget, and each
 line leaves, answered, at its own last step; a worker never waits for a batch to end or to fill.
@@ -98,6 +99,11 @@ class _Line:
     job: Job
     index: int  # the line's place in its job
     ids: list[int]  # source ids, EOS included
+
+    @property
+    def controls(self):
+        """Its `controls.Controls` (NONE: none)."""
+        return NONE if self.job.controls is None else self.job.controls[self.index]
 
 
 class RequestQueue:
@@ -208,13 +214,15 @@ class RequestQueue:
         in flight, as `_search`'s does (and returns False)."""
         translator = flying[0].job.translator
         try:
-            stream.add(list(flying), [line.ids for line in flying])
+            stream.add(list(flying), [line.ids for line in flying],
+                       [line.controls.prefix for line in flying])
             while flying:
                 for line in flying:
                     if line.job.cancelled:
                         stream.call_off(line)
                 ended = stream.step()
-                answers = [(line, None if line.job.cancelled else translator.outputs(found))
+                answers = [(line, None if line.job.cancelled else
+                            translator.outputs(translator.without_start([found])[0]))
                            for line, found in ended]
                 finished = self._answer(flying, answers)
                 self._hand_back(finished, translator)
@@ -223,7 +231,8 @@ class RequestQueue:
                     if self.on_batch is not None:
                         self.on_batch(len(admitted),
                                       len(admitted) * max(len(line.ids) for line in admitted))
-                    stream.add(admitted, [line.ids for line in admitted])
+                    stream.add(admitted, [line.ids for line in admitted],
+                               [line.controls.prefix for line in admitted])
             return True
         except Exception as error:  # the jobs in flight answer it; the server goes on
             with self._changed:
@@ -264,14 +273,14 @@ class RequestQueue:
 
     def _admit(self, flying: list[_Line]) -> list[_Line]:
         """Lines waiting that may join the stream `flying` now (the same models and settings,
-        no controls), within the token budget and this worker's share of all the lines in
+        no phrases to hold), within the token budget and this worker's share of all the lines in
         flight and waiting (the other workers' streams take the rest); never waits."""
         with self._changed:
             if not self._lines:
                 return []
             first = flying[0].job
             alike = [line for line in self._lines if line.job.shares_batches_with(first)
-                     and line.job.controls is None]
+                     and not line.controls.phrases]
             if not alike:
                 return []
             in_flight = sum(len(batch) for batch in self._searching)
@@ -369,9 +378,8 @@ class RequestQueue:
         try:
             # Lines with and without controls share a batch: no prefix forces nothing, no
             # phrase holds nothing, and a batch with neither is searched without a constraint.
-            controls = [NONE if line.job.controls is None else line.job.controls[line.index]
-                        for line in batch]
-            found = translator.search_controlled([line.ids for line in batch], controls,
+            found = translator.search_controlled([line.ids for line in batch],
+                                                 [line.controls for line in batch],
                                                  [line.index + 1 for line in batch],
                                                  called_off(batch))
             outputs = [None if line.job.cancelled else translator.outputs(hypotheses)
@@ -390,8 +398,8 @@ class RequestQueue:
 
 def streamable(batch: list[_Line]) -> bool:
     """Whether a batch's lines (one translator, one set of settings) can fly in a Stream."""
-    return stream_supported(batch[0].job.translator) and all(
-        line.job.controls is None for line in batch)
+    return stream_supported(batch[0].job.translator) and not any(
+        line.controls.phrases for line in batch)
 
 
 def called_off(batch: list[_Line]) -> Callable[[], list[int]]:

@@ -4,6 +4,9 @@ native/kernels.h) to float rounding, and the eager step where it cannot run."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -345,6 +348,22 @@ def test_the_cache_directory_is_one_per_torch_cpu_and_source(monkeypatch, tmp_pa
     assert directory.parent == tmp_path
     assert torch.__version__.replace("+", "-") in directory.name
     assert torch.backends.cpu.get_cpu_capability().lower() in directory.name
+
+
+def test_a_build_killed_midway_does_not_hold_later_ones(built):
+    """cpp_extension's lock file, left behind by a build killed before it removed it, made
+    every later process wait forever; now a process loads the extension past it."""
+    stale = native_module.cache_directory() / "lock"
+    stale.touch()
+    try:
+        loaded = subprocess.run(
+            [sys.executable, "-c", "from attn_cli.decode.native import extension\n"
+             "assert not isinstance(extension(), str)"], timeout=120, capture_output=True,
+            text=True)
+        assert loaded.returncode == 0, loaded.stderr
+        assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from attn_cli.decode.controls import Controls
+from attn_cli.decode.stream import supported as stream_supported
 from attn_cli.decode.translator import load_translator
 
 from ..conftest import assert_clean_error, run_attn
@@ -115,6 +116,32 @@ def test_a_batch_mixing_prefixes_and_none_equals_each_line_alone(translator):
         [[h.tokens for h in hypotheses] for hypotheses in alone]
     assert [h.score for hypotheses in together for h in hypotheses] == \
         pytest.approx([h.score for hypotheses in alone for h in hypotheses], abs=1e-4)
+
+
+@pytest.mark.parametrize("limit", [None, 2], ids=["free", "prefixes cut at a limit of 2"])
+def test_the_stream_forces_prefixes_as_the_batch_search_does(translator, limit):
+    """A beam search's lines with prefixes fly in the C++ stream (its fused kernels, each
+    sentence's prefix forced at its own steps); the constrained batch search over the same
+    prefixes finds the same N best, scores equal to float rounding. At a limit shorter than
+    a prefix both cut it there (EOS at the limit)."""
+    view = translator.with_options(beam=4, nbest=4)
+    if limit is not None:
+        view = view.with_options(max_len_a=0.0, max_len_b=limit)
+    assert stream_supported(view)
+    ids = view.encode(INPUTS, 1)
+    prefixes = [tuple(prefix) for prefix in prefix_ids(view, PREFIXES)]
+    streamed = view.stream_search(ids, prefixes)
+    batched = view.search_controlled(ids, prefixed(prefixes))
+    assert [[h.tokens for h in hypotheses] for hypotheses in streamed] == \
+        [[h.tokens for h in hypotheses] for hypotheses in batched]
+    assert [h.score for hypotheses in streamed for h in hypotheses] == \
+        pytest.approx([h.score for hypotheses in batched for h in hypotheses], abs=1e-4)
+    best = [hypotheses[0].tokens for hypotheses in streamed]
+    if limit is None:
+        assert all(tokens[:len(prefix)] == list(prefix) for tokens, prefix in zip(best, prefixes))
+    else:  # the limit counts EOS: one piece of each prefix, then EOS
+        assert [tokens for tokens, prefix in zip(best, prefixes) if prefix] == \
+            [list(prefix[:1]) for prefix in prefixes if prefix]
 
 
 @pytest.mark.parametrize("stdin, fragments", [

@@ -9,7 +9,8 @@ import torch
 import attn_cli
 from attn_cli import load_translator
 from attn_cli.batching import pad_sequences
-from attn_cli.decode.translator import EMPTY_LINE, NOT_FOUND
+from attn_cli.decode.translator import EMPTY_LINE, NOT_FOUND, search_workers
+from attn_cli.devices import LARGE_MODEL_BYTES
 from attn_cli.errors import AttnError
 from attn_cli.search import Hypothesis
 
@@ -161,3 +162,30 @@ def test_a_translator_keeps_copies_made_for_decoding_not_the_loaded_models(int8,
     gc.collect()
     assert len(loaded_models) == 2 and all(model() is None for model in loaded_models)
     assert translator.translate(["g d j c d d"]) == ["d d c j d g"]
+
+
+def test_auto_workers_are_a_batch_per_thread_but_one_batch_for_a_large_model():
+    """A large model's step reads its weights from memory: batches side by side would each
+    read them, so one batch of every thread searches it; asked for, workers are as asked."""
+    cpu = torch.device("cpu")
+    assert search_workers(4, 0, cpu) == (4, 1)
+    assert search_workers(4, 0, cpu, LARGE_MODEL_BYTES) == (4, 1)
+    assert search_workers(4, 0, cpu, LARGE_MODEL_BYTES + 1) == (1, 4)
+    assert search_workers(4, 2, cpu, LARGE_MODEL_BYTES + 1) == (2, 2)
+    assert search_workers(4, 0, torch.device("cuda")) == (1, 4)
+
+
+def test_a_few_lines_are_split_over_the_streams_of_the_workers(trained, monkeypatch):
+    """Iteration-level batching with two workers: four lines fly two in each stream, not all
+    four in the first one that asks (whose one thread would then search them alone)."""
+    from attn_cli.decode.stream import Stream
+
+    model, _ = trained
+    translator = load_translator(model, 4, threads=2, workers=2)
+    joined, real_add = [], Stream.add
+    monkeypatch.setattr(Stream, "add", lambda stream, keys, *rest: (
+        joined.append((id(stream), len(keys))), real_add(stream, keys, *rest))[1])
+    lines = ["a man is walking", "two dogs play in the snow", "a girl", "a red car"]
+    assert translator.translate(lines) == translator.with_options(workers=1).translate(lines)
+    # a stream holds its share of two at most (the last call: the one worker's four lines)
+    assert [count for _, count in joined[:-1]] == [2, 2] and joined[-1][1] == 4

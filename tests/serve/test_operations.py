@@ -122,6 +122,24 @@ def test_found_lines_skip_the_search_and_the_searched_are_kept():
     assert counted[("attn_serve_cache_lines", ())] == len(ops.cache)
 
 
+def test_a_line_with_a_prefix_of_its_own_is_not_cached_but_a_language_start_is():
+    """Autocompletion's prefixes change at every keystroke: such a line is neither looked up
+    nor kept. A model whose languages are tokens starts every output with the target's
+    (NLLB's fra_Latn: `target_start`), which is no prefix of the line's: those are cached."""
+    from attn_cli.decode.controls import Controls
+
+    ops = operations(cache_lines=10)
+    nllb = fake_translator(target_start=(7,))
+    language, typed = Controls(prefix=(7,)), Controls(prefix=(7, 12))
+    first = ops.look_up(nllb, ["a cat", "a dog"], [language, typed])
+    assert first.keys[0] is not None and first.keys[1] is None
+    ops.answered(first, SimpleNamespace(outputs=[[(None, "<a cat>")], [(None, "<a dog>")]]))
+    again = ops.look_up(nllb, ["a cat", "a dog"], [language, typed])
+    assert again.to_search == ["", "a dog"]
+    plain = fake_translator()  # no language start: any prefix is the line's own
+    assert ops.look_up(plain, ["a cat"], [Controls(prefix=(7,))]).keys == [None]
+
+
 def test_no_cache_searches_every_line():
     ops = operations(cache_lines=0)
     assert ops.cache is None

@@ -14,7 +14,7 @@ import pytest
 from attn_cli.decode.stream import Stream
 from attn_cli.decode.stream import supported as stream_supported
 from attn_cli.decode.translator import load_translator
-from attn_cli.serve.request_queue import Job, QueueFull, RequestQueue, streamable
+from attn_cli.serve.request_queue import Job, QueueFull, RequestQueue, _Line, streamable
 
 from ..conftest import bundled_lines
 
@@ -32,6 +32,11 @@ def submit_and_wait(queue: RequestQueue, jobs: list[Job]) -> None:
         queue.submit(job)
     for _ in jobs:
         assert finished.acquire(timeout=120)
+
+
+def lines_of(job: Job) -> list[_Line]:
+    """A job's lines as a worker takes them from the queue."""
+    return [_Line(job, index, ids) for index, ids in enumerate(job.sources)]
 
 
 def texts(job: Job) -> list[str]:
@@ -119,7 +124,7 @@ def fail_then_answer(failing_translator, translator) -> tuple[Job, Job]:
 def test_a_failing_stream_fails_its_requests_and_the_workers_go_on(translator, monkeypatch):
     """A stream's step that raises fails the jobs in flight; the worker makes a new stream
     for the next ones, which are answered as ever."""
-    assert streamable([type("Line", (), {"job": Job(["a"], translator, None)})()])
+    assert streamable(lines_of(Job(["a"], translator, None)))
     steps = []
     real_step = Stream.step
 
@@ -206,6 +211,12 @@ def test_requests_with_target_prefixes_share_batches_with_those_without():
     controls = [[Controls(prefix=tuple(prefix)) for prefix in prefixes[0]], None]
     jobs = [Job(text, translator, None, controls=lines)
             for text, lines in zip(requests, controls)]
+    # they fly in one stream, each line's prefix forced at its own steps; a phrase to hold
+    # needs the constrained batch search
+    assert streamable(lines_of(jobs[0]) + lines_of(jobs[1]))
+    holding = Job(requests[1], translator, None,
+                  controls=[Controls(phrases=((5,),)), Controls()])
+    assert not streamable(lines_of(jobs[0]) + lines_of(holding))
     queue = RequestQueue(workers=1, worker_threads=1, capacity=100, window_s=0.05)
     try:
         submit_and_wait(queue, jobs)
@@ -264,7 +275,7 @@ def test_a_translator_with_banned_phrases_searches_in_batches(trained):
     line, banned_word = [line], output.split()[0]
     banning = load_translator(model, 4, threads=1, bans=[banned_word])
     assert stream_supported(plain) and not stream_supported(banning)
-    assert not streamable([type("Line", (), {"job": Job(line, banning, None)})()])
+    assert not streamable(lines_of(Job(line, banning, None)))
     job = Job(line, banning, None)
     queue = RequestQueue(workers=1, capacity=100)
     try:

@@ -504,10 +504,12 @@ class Decoder {
   // per_beam: search.py's Setup.log_probs, only_eos_at_limit and topk_over_beams in one pass
   // over the logits. Writes best (k), the beams they extend (origin) and their columns
   // (picked), as topk_over_beams returns them.
+  // `forced` >= 0: the one column every row may take (decode/prefix.py's PrefixConstraint: a
+  // piece of the sentence's prefix, its own log-probability kept; none at the limit).
   static void sentence_top_k(const float* rows, int64_t group, int64_t vocab,
                              const float* scores, const bool* banned, bool at_limit,
                              int64_t eos_column, int64_t k, float* best, int64_t* origin,
-                             int64_t* picked) {
+                             int64_t* picked, int64_t forced = -1) {
     using namespace attn_kernels;
     const int64_t per_beam = std::min(k, vocab), width = group * per_beam;
     std::vector<float> candidates(width), top(per_beam), maxima(vocab / kBlock);
@@ -516,11 +518,12 @@ class Decoder {
       const float* x = rows + g * vocab;
       const float shift = block_maxima(x, vocab, maxima.data());
       const float log_sum = std::log(sum_exp(x, shift, vocab));
-      if (at_limit) {  // only EOS may end a hypothesis at its limit
+      if (at_limit || forced >= 0) {  // only EOS may end a hypothesis at its limit
+        const int64_t only = at_limit ? eos_column : forced;
         std::fill(top.begin(), top.end(), kMinusInf);
         std::fill(columns.begin(), columns.end(), 0);
-        if (banned == nullptr || !banned[eos_column]) top[0] = x[eos_column];
-        columns[0] = eos_column;
+        if (banned == nullptr || !banned[only]) top[0] = x[only];
+        columns[0] = only;
       } else {
         top_k(x, vocab, per_beam, banned, top.data(), columns.data(), maxima.data());
       }
@@ -895,6 +898,7 @@ std::vector<Tensor> Decoder::beam_search(
 // scores, whether a step's best candidate ended, how many ended) and the rows found.
 struct Flight {
   int64_t key, limit;
+  std::vector<int64_t> prefix;     // the columns its output starts with (decode/prefix.py)
   KVStore store;                   // its self-attention keys and values: limit × K slots
   std::vector<Tensor> memory;      // per layer: keys (transposed), values (held for the views)
   std::vector<MemoryView> views;   // per layer
@@ -930,12 +934,17 @@ class Stream {
 
   // A sentence joins at the next step: `memory`, per layer its encoder-decoder keys
   // (transposed, (H, d_k, S)) and values ((H, S, d_v)) and, if padded, `mask` (S) (0, or
-  // -inf at padding; undefined: none); `limit`, its longest output, EOS included.
+  // -inf at padding; undefined: none); `limit`, its longest output, EOS included; `prefix`,
+  // the target ids its output starts with (none: a free search), each forced as
+  // decode/prefix.py's PrefixConstraint forces it.
   void add(int64_t key, std::vector<Tensor> memory, const std::optional<Tensor>& mask,
-           int64_t limit) {
+           int64_t limit, std::vector<int64_t> prefix) {
+    TORCH_CHECK(prefix.empty() || !column_ids_.defined(),
+                "a stream over a shortlist's columns forces no prefix");
     Flight flight;
     flight.key = key;
     flight.limit = limit;
+    flight.prefix = std::move(prefix);
     flight.memory = std::move(memory);
     if (mask.has_value()) flight.mask = mask->to(at::kFloat).contiguous();
     const float* mask_data = mask.has_value() ? flight.mask.data_ptr<float>() : nullptr;
@@ -1030,10 +1039,13 @@ class Stream {
     const int64_t beam = beam_, k = 2 * beam, group = flight.group;
     std::vector<float> best(k);
     std::vector<int64_t> origin(k), picked(k);
+    const int64_t forced = flight.length < static_cast<int64_t>(flight.prefix.size())
+                               ? flight.prefix[flight.length]
+                               : -1;
     Decoder::sentence_top_k(rows, group, vocab, flight.scores.data(),
                             reinterpret_cast<const bool*>(banned_.data()),
                             flight.limit <= flight.length + 1, eos_column_, k, best.data(),
-                            origin.data(), picked.data());
+                            origin.data(), picked.data(), forced);
     if (column_ids_.defined()) {
       const int64_t* ids = column_ids_.data_ptr<int64_t>();
       for (int64_t& column : picked) column = ids[column];
@@ -1143,7 +1155,7 @@ std::vector<Tensor> Decoder::fused_beam_search(
     std::vector<Tensor> memory;
     for (const Tensor& tensor : batch.memory_kv) memory.push_back(tensor[b]);
     stream.add(b, std::move(memory), batch.src_mask[b].reshape({-1}),
-               limits.data_ptr<int64_t>()[b]);
+               limits.data_ptr<int64_t>()[b], {});
   }
   std::vector<std::vector<Tensor>> found(sentences);
   while (stream.sentences() > 0) {
@@ -1236,7 +1248,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
            py::arg("banned"), py::arg("column_ids"), py::arg("output"),
            py::keep_alive<1, 2>())
       .def("add", &Stream::add, py::arg("key"), py::arg("memory"), py::arg("mask"),
-           py::arg("limit"))
+           py::arg("limit"), py::arg("prefix") = std::vector<int64_t>())
       .def("call_off", &Stream::call_off, py::arg("key"))
       .def("sentences", &Stream::sentences)
       .def("rows", &Stream::rows)
