@@ -1336,16 +1336,21 @@ def export_ct2(
 def export_hf(
     model_path: Path = typer.Argument(..., metavar="MODEL.st", help="An attn model file."),
     output: Path = typer.Option(..., "-o", "--output", help="The Hugging Face model directory "
-                                "to write (MarianMTModel and MarianTokenizer load it)."),
+                                "to write (MarianMTModel and MarianTokenizer load it; an "
+                                "NLLB-200 or M2M-100 model's, M2M100ForConditionalGeneration "
+                                "and its tokenizer)."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
 ) -> None:
     """A Hugging Face `transformers` Marian model of an attn model (pip install 'attn[hf]'):
-    greedy `generate` gives `attn decode --beam 1`'s output."""
+    greedy `generate` gives `attn decode --beam 1`'s output. An imported NLLB-200 or M2M-100
+    model, fine-tuned or not, goes back as M2M100ForConditionalGeneration with its tokenizer."""
     from .interop.hf import export_hf as export
+    from .modelfile import read_model_header
 
     export(model_path, output, force=force)
-    log(f"export: wrote {output} (transformers MarianMTModel, with its tokenizer and a model "
-        "card)")
+    kind = "M2M100ForConditionalGeneration" \
+        if "lang_codes" in read_model_header(model_path)[0].metadata else "MarianMTModel"
+    log(f"export: wrote {output} (transformers {kind}, with its tokenizer and a model card)")
 
 
 import_app = typer.Typer(no_args_is_help=True, help="Models made elsewhere, as attn models.",

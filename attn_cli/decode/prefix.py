@@ -8,7 +8,8 @@ other token, EOS too, -inf), then anything. Every hypothesis of a step has t tok
 state is the (B', K) count of tokens so far, on the search's device: no read per step. The
 forced piece keeps the model's own log-probability, so a forced output scores as it would have
 unforced (`attn score` gives it the same log-probability), and with --nbest the N best are the
-beam's N best finished hypotheses, every one of them through the prefix.
+beam's N best finished hypotheses, every one of them through the prefix. A beam search in the
+C++ stream (float32 on a CPU, `stream.Stream.add(prefixes=)`) forces them by the same rule.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from ..vocab import Vocabulary
 
 M2M_LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which M2M100's layers use
 SPM_FILE = "sentencepiece.bpe.model"
+UNUSED = "<unused-"  # the piece of an id the tokenizer does not name: <unused-256204>
 
 # Each layer's modules, attn's beside M2M100's (the layer's prefix left off): attn fuses the
 # projections M2M100 keeps apart (several names: the attn matrix is theirs stacked by rows).
@@ -189,7 +190,7 @@ def tokenizer_vocabulary(directory: Path, size: int) -> tuple[Vocabulary, str]:
     pieces: list[str | None] = [None] * size
     for piece, index in ids.items():
         pieces[index] = piece
-    pieces = [piece if piece is not None else f"<unused-{index}>"
+    pieces = [piece if piece is not None else f"{UNUSED}{index}>"
               for index, piece in enumerate(pieces)]
     if pieces[3] != "<unk>" or pieces[2] != "</s>" or pieces[1] != "<pad>":
         raise AttnError(f"{directory}: the tokenizer's ids 1, 2, 3 are {pieces[1:4]}, not "
@@ -225,3 +226,148 @@ def import_m2m(directory: Path, output: str | Path) -> Path:
     model.load_state_dict(weights, strict=True, assign=True)
     save_model(output, model, vocabulary, imported_from=directory.name, lang_codes=style)
     return Path(output)
+
+
+# ------------------------------------------------------------------------------------- export
+
+TOKENIZER_CLASSES = {"nllb": "NllbTokenizer", "m2m100": "M2M100Tokenizer"}
+
+
+def check_m2m_can_hold(config: ModelConfig) -> None:
+    """An M2M100 model holds an attn model with NLLB's switches (`attn_config`) only: one line
+    naming what differs."""
+    problems = [f"{name} is {getattr(config, name)!r} (M2M100's: {wanted!r})"
+                for name, wanted in (("norm", "pre"), ("positions", "fairseq"),
+                                     ("share_embeddings", True), ("attention_bias", True),
+                                     ("output_bias", False),
+                                     ("layer_norm_eps", M2M_LAYER_NORM_EPS))
+                if getattr(config, name) != wanted]
+    if config.d_k != config.d_v or config.heads * config.d_k != config.d_model:
+        problems.append(f"d_k {config.d_k}, d_v {config.d_v} with {config.heads} heads of "
+                        f"d_model {config.d_model} (M2M100 needs d_k = d_v = d_model / heads)")
+    if problems:
+        raise AttnError(f"an M2M100 model cannot hold this model: {'; '.join(problems)}")
+
+
+def m2m_fields(config: ModelConfig, bos: int) -> dict:
+    """M2M100Config's fields for an attn model (`attn_config` read backwards); `bos`: the id
+    of <s>, which the tokenizer names and no output starts with."""
+    return dict(
+        vocab_size=config.tgt_vocab_size, d_model=config.d_model,
+        encoder_layers=config.encoder_layers, decoder_layers=config.decoder_layers,
+        encoder_ffn_dim=config.d_ff, decoder_ffn_dim=config.d_ff,
+        encoder_attention_heads=config.heads, decoder_attention_heads=config.heads,
+        max_position_embeddings=config.max_positions, pad_token_id=config.pad_id,
+        bos_token_id=bos, eos_token_id=config.eos_id, decoder_start_token_id=config.bos_id,
+        forced_eos_token_id=config.eos_id, scale_embedding=True,
+        activation_function=config.activation, dropout=config.dropout,
+        attention_dropout=config.attention_dropout, activation_dropout=0.0,
+        tie_word_embeddings=True, architectures=["M2M100ForConditionalGeneration"])
+
+
+def m2m_weights(model, config: ModelConfig) -> dict[str, Tensor]:
+    """An M2M100 checkpoint's tensors of an attn Transformer (`mapping` read backwards: a fused
+    projection split into M2M100's by rows). The tied copies of the embedding and the sinusoids
+    are left out, as save_pretrained leaves them: from_pretrained ties and makes them."""
+    state = model.state_dict()
+    weights = {}
+    for ours, theirs in mapping(config):
+        parts = state[ours].detach().float().chunk(len(theirs))
+        for name, part in zip(theirs, parts):
+            weights[name] = part.clone() if len(parts) > 1 else part.contiguous()
+    return weights
+
+
+def write_m2m_tokenizer(directory: Path, vocabulary: Vocabulary, style: str) -> None:
+    """The tokenizer's files (NllbTokenizer's or M2M100Tokenizer's) of an imported or fine-tuned
+    model's vocabulary, made by `transformers` from its SentencePiece model and its language
+    codes, then read back and held to the model's ids: a tokenizer giving any piece another id
+    than the model's is refused in one line (the export would not be exact)."""
+    from ..tags import forced_language_codes
+    from .hf import _transformers
+
+    transformers = _transformers()
+    pieces = [vocabulary.piece(index) for index in range(len(vocabulary))]
+    codes = forced_language_codes(vocabulary, style)
+    (directory / SPM_FILE).write_bytes(vocabulary.spm_bytes)
+    if style == "nllb":
+        (directory / "tokenizer_config.json").write_text(
+            json.dumps({"tokenizer_class": TOKENIZER_CLASSES[style]}))
+        tokenizer = transformers.NllbTokenizer.from_pretrained(
+            directory, additional_special_tokens=sorted(codes, key=codes.get))
+    else:  # M2M100Tokenizer's vocab.json: every piece but its language tokens (it adds them)
+        language_ids = set(codes.values())
+        (directory / "vocab.json").write_text(json.dumps(
+            {piece: index for index, piece in enumerate(pieces)
+             if index not in language_ids and not piece.startswith(UNUSED)},
+            ensure_ascii=False, indent=0))
+        tokenizer = transformers.M2M100Tokenizer(directory / "vocab.json", directory / SPM_FILE)
+    tokenizer.save_pretrained(directory)
+    read_back = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    ids = {**read_back.get_vocab(), **getattr(read_back, "lang_token_to_id", {})}
+    named = {index: piece for piece, index in ids.items()}
+    wrong = next((index for index, piece in enumerate(pieces)
+                  if named.get(index, piece if piece.startswith(UNUSED) else None) != piece),
+                 None)
+    if wrong is None and len(named) > len(pieces):
+        wrong = max(named)
+    if wrong is not None:
+        raise AttnError(f"{TOKENIZER_CLASSES[style]} made of this model's SentencePiece model "
+                        f"and language codes names id {wrong} {named.get(wrong)!r}, the model "
+                        f"{pieces[wrong] if wrong < len(pieces) else None!r}: export hf cannot "
+                        "write its vocabulary back exactly")
+
+
+def m2m_model_card(loaded, model_path, style: str) -> str:
+    """README.md of an exported NLLB-200 or M2M-100 model: what loads it, how to pick the
+    target language, and what is known of its training."""
+    config, metadata = loaded.config, loaded.metadata
+    target = "fra_Latn" if style == "nllb" else "__fr__"
+    known = [f"- {name}: {metadata[key]}" for name, key in (
+        ("imported from", "imported_from"), ("fine-tuning data", "train_data"),
+        ("steps", "step"), ("averaged from", "averaged_from"), ("languages", "langs"),
+        ("validation", "validation")) if metadata.get(key)]
+    return "\n".join([
+        "---", "library_name: transformers", "tags: [translation, m2m_100, attn]", "---", "",
+        f"# {Path(model_path).stem}", "",
+        f"An {'NLLB-200' if style == 'nllb' else 'M2M-100'} model written by `attn export hf`: "
+        "`M2M100ForConditionalGeneration` and its tokenizer load it.", "",
+        "```python",
+        "from transformers import AutoModelForSeq2SeqLM, AutoTokenizer",
+        "tokenizer = AutoTokenizer.from_pretrained(DIR)",
+        "model = AutoModelForSeq2SeqLM.from_pretrained(DIR)",
+        'batch = tokenizer(["A man is riding a bike."], return_tensors="pt")',
+        "found = model.generate(**batch, forced_bos_token_id="
+        f'tokenizer.convert_tokens_to_ids("{target}"))',
+        "print(tokenizer.batch_decode(found, skip_special_tokens=True))",
+        "```", "",
+        f"| layers (encoder, decoder) | {config.encoder_layers}, {config.decoder_layers} |",
+        "|---|---|",
+        f"| d_model, d_ff, heads | {config.d_model}, {config.d_ff}, {config.heads} |",
+        f"| vocabulary | {config.tgt_vocab_size} |", "",
+        *(["## Training", "", *known, ""] if known else []),
+    ])
+
+
+def export_m2m(loaded, model_path: str | Path, staging: Path) -> None:
+    """An imported or fine-tuned NLLB-200 or M2M-100 model (metadata `lang_codes`) as the
+    M2M100 directory `import_m2m` reads: model.safetensors, config.json,
+    generation_config.json, the tokenizer's files and a model card, into `staging`."""
+    from safetensors.torch import save_file
+
+    from ..formats import TRANSLATION
+    from .hf import _transformers
+
+    transformers = _transformers()
+    config, style = loaded.config, loaded.metadata["lang_codes"]
+    check_m2m_can_hold(config)
+    write_m2m_tokenizer(staging, loaded.tgt_vocab, style)
+    bos = loaded.tgt_vocab.pieces.index("<s>") if "<s>" in loaded.tgt_vocab.pieces else 0
+    transformers.M2M100Config(**m2m_fields(config, bos)).save_pretrained(staging)
+    transformers.GenerationConfig(
+        bos_token_id=bos, decoder_start_token_id=config.bos_id, eos_token_id=config.eos_id,
+        pad_token_id=config.pad_id, forced_eos_token_id=config.eos_id,
+        max_length=config.max_positions, num_beams=TRANSLATION.beam).save_pretrained(staging)
+    save_file(m2m_weights(loaded.model, config), staging / "model.safetensors",
+              metadata={"format": "pt"})
+    (staging / "README.md").write_text(m2m_model_card(loaded, model_path, style))

@@ -268,6 +268,50 @@ def test_a_model_without_a_sentencepiece_model_is_refused(nllb, tmp_path):
                        "sentencepiece.bpe.model: missing")
 
 
+@pytest.mark.parametrize("family,source", [("nllb", "eng_Latn"), ("m2m100", "__en__")])
+def test_export_hf_writes_the_m2m100_directory_back(family, source, request, tmp_path):
+    """`attn export hf` of an imported model: transformers loads the directory, its weights
+    are the original's tensor for tensor and its tokenizer gives the original's ids; `attn
+    import hf` of it gives the same model file's weights and pieces again."""
+
+    model, tokenizer, output, lines = request.getfixturevalue(family)
+    exported = tmp_path / "back"
+    result = run_attn("export", "hf", output, "-o", exported)
+    assert result.returncode == 0, result.stderr
+    assert "M2M100ForConditionalGeneration" in result.stderr
+    back = transformers.M2M100ForConditionalGeneration.from_pretrained(exported).eval()
+    theirs, ours = model.state_dict(), back.state_dict()
+    assert theirs.keys() == ours.keys()
+    assert all(torch.equal(theirs[name], ours[name]) for name in theirs)
+    back_tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    for line in lines:
+        assert their_ids(back_tokenizer, line, source) == their_ids(tokenizer, line, source)
+    again = tmp_path / "again.st"
+    assert run_attn("import", "hf", exported, "-o", again).returncode == 0
+    first, second = load_model(output), load_model(again)
+    assert first.config == second.config and first.metadata["lang_codes"] == family
+    assert first.tgt_vocab.pieces == second.tgt_vocab.pieces
+    for name, tensor in first.model.state_dict().items():
+        assert torch.equal(tensor, second.model.state_dict()[name]), name
+
+
+def test_export_hf_refuses_what_m2m100_cannot_hold(nllb, tmp_path):
+    """A model whose vocabulary's ids are not what the tokenizer makes of its pieces cannot be
+    written back exactly: one line, and no directory."""
+    from attn_cli.modelfile import save_model
+
+    _, _, output, _ = nllb
+    loaded = load_model(output)
+    pieces = list(loaded.tgt_vocab.pieces)
+    pieces[10], pieces[11] = pieces[11], pieces[10]  # two pieces' ids swapped
+    swapped = tmp_path / "swapped.st"
+    save_model(swapped, loaded.model, type(loaded.tgt_vocab).with_pieces(
+        loaded.tgt_vocab.spm_bytes, pieces), lang_codes="nllb")
+    assert_clean_error(run_attn("export", "hf", swapped, "-o", tmp_path / "out"),
+                       "NllbTokenizer", "names id 10", "cannot write its vocabulary back")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.long  # a server of its own
 def test_serve_picks_each_pairs_languages(nllb):
     """`attn serve -m en-fr,en-de=nllb.st`: one model, each pair's source and target codes
@@ -302,7 +346,7 @@ def test_fine_tuning_data_starts_each_side_with_its_code(nllb, corpus, tmp_path)
     left out of the outputs' text) and the tuned model decodes."""
     from attn_cli.data import ParallelData, SpecialIds
 
-    _, tokenizer, output, _ = nllb
+    model, tokenizer, output, _ = nllb
     data = tmp_path / "tune.st"
     result = run_attn("binarize", "--vocab", output, corpus["train.en"], corpus["train.de"],
                       "--langs", "en-de", "-o", data)
@@ -329,3 +373,11 @@ def test_fine_tuning_data_starts_each_side_with_its_code(nllb, corpus, tmp_path)
                        "--beam", "1", "--threads", "1", stdin=sources[0] + "\n")
     assert decoded.returncode == 0, decoded.stderr
     assert len(decoded.stdout.splitlines()) == 1 and "deu_Latn" not in decoded.stdout
+    # the tuned model back to transformers: its weights moved, its greedy output attn's
+    exported = run_attn("export", "hf", run / "checkpoint-4.st", "-o", tmp_path / "tuned-hf")
+    assert exported.returncode == 0, exported.stderr
+    tuned = transformers.M2M100ForConditionalGeneration.from_pretrained(
+        tmp_path / "tuned-hf").eval()
+    assert not torch.equal(tuned.model.shared.weight, model.model.shared.weight)
+    assert generated(tuned, tokenizer, sources[:1], "eng_Latn", "deu_Latn", 1) == \
+        decoded.stdout.splitlines()
