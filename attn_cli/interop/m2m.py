@@ -309,7 +309,7 @@ def write_m2m_tokenizer(directory: Path, vocabulary: Vocabulary, style: str) -> 
     wrong = next((index for index, piece in enumerate(pieces)
                   if named.get(index, piece if piece.startswith(UNUSED) else None) != piece),
                  None)
-    if wrong is None and len(named) > len(pieces):
+    if wrong is None and max(named) >= len(pieces):  # an id past the model's embeddings
         wrong = max(named)
     if wrong is not None:
         raise AttnError(f"{TOKENIZER_CLASSES[style]} made of this model's SentencePiece model "
@@ -341,8 +341,8 @@ def m2m_model_card(loaded, model_path, style: str) -> str:
         f'tokenizer.convert_tokens_to_ids("{target}"))',
         "print(tokenizer.batch_decode(found, skip_special_tokens=True))",
         "```", "",
+        "| | |", "|---|---|",
         f"| layers (encoder, decoder) | {config.encoder_layers}, {config.decoder_layers} |",
-        "|---|---|",
         f"| d_model, d_ff, heads | {config.d_model}, {config.d_ff}, {config.heads} |",
         f"| vocabulary | {config.tgt_vocab_size} |", "",
         *(["## Training", "", *known, ""] if known else []),
