@@ -1345,11 +1345,11 @@ def export_hf(
     greedy `generate` gives `attn decode --beam 1`'s output. An imported NLLB-200 or M2M-100
     model, fine-tuned or not, goes back as M2M100ForConditionalGeneration with its tokenizer."""
     from .interop.hf import export_hf as export
-    from .modelfile import read_model_header
+    from .interop.m2m import export_m2m
 
-    export(model_path, output, force=force)
-    kind = "M2M100ForConditionalGeneration" \
-        if "lang_codes" in read_model_header(model_path)[0].metadata else "MarianMTModel"
+    m2m = _language_tokens(model_path)  # NLLB-200, M2M-100
+    (export_m2m if m2m else export)(model_path, output, force=force)
+    kind = "M2M100ForConditionalGeneration" if m2m else "MarianMTModel"
     log(f"export: wrote {output} (transformers {kind}, with its tokenizer and a model card)")
 
 

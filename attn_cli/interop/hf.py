@@ -134,20 +134,13 @@ def attn_state_dict(marian, config: ModelConfig) -> dict[str, Tensor]:
 def export_hf(model_path: str | Path, output_dir: str | Path, force: bool = False) -> Path:
     """Write the Marian model directory of an attn model file: model.safetensors, config.json,
     generation_config.json, the tokenizer's files (source.spm, target.spm, vocab.json,
-    tokenizer_config.json) and a model card, atomically; an NLLB-200 or M2M-100 model's
-    (imported, maybe fine-tuned: metadata `lang_codes`) as the M2M100 directory it came from
-    (`m2m.export_m2m`). Refuses an existing non-empty directory unless `force`."""
+    tokenizer_config.json) and a model card, atomically. Refuses an existing non-empty
+    directory unless `force`. (An NLLB-200 or M2M-100 model: `m2m.export_m2m`.)"""
     from ..modelfile import load_model
 
     transformers = _transformers()
     output_dir = check_output_directory(output_dir, force)
     loaded = load_model(model_path)
-    if loaded.metadata.get("lang_codes"):
-        from .m2m import export_m2m
-
-        with staged_directory(output_dir) as staging:
-            export_m2m(loaded, model_path, staging)
-        return output_dir
     config = loaded.config
     _check_marian_can_hold(config)
     marian_config = transformers.MarianConfig(**marian_fields(config))

@@ -349,18 +349,33 @@ def m2m_model_card(loaded, model_path, style: str) -> str:
     ])
 
 
-def export_m2m(loaded, model_path: str | Path, staging: Path) -> None:
-    """An imported or fine-tuned NLLB-200 or M2M-100 model (metadata `lang_codes`) as the
+def export_m2m(model_path: str | Path, output_dir: str | Path, force: bool = False) -> Path:
+    """Write an imported or fine-tuned NLLB-200 or M2M-100 model (metadata `lang_codes`) as the
     M2M100 directory `import_m2m` reads: model.safetensors, config.json,
-    generation_config.json, the tokenizer's files and a model card, into `staging`."""
+    generation_config.json, the tokenizer's files and a model card, atomically. Refuses an
+    existing non-empty directory unless `force`."""
+    from ..files import check_output_directory, staged_directory
+    from ..modelfile import load_model
+    from .hf import _transformers
+
+    _transformers()  # without attn[hf], one line before anything is read
+    output_dir = check_output_directory(output_dir, force)
+    loaded = load_model(model_path)
+    config, style = loaded.config, loaded.metadata["lang_codes"]
+    check_m2m_can_hold(config)
+    with staged_directory(output_dir) as staging:
+        write_m2m_directory(loaded, model_path, staging, style)
+    return output_dir
+
+
+def write_m2m_directory(loaded, model_path, staging: Path, style: str) -> None:
+    """`export_m2m`'s files, into `staging`."""
     from safetensors.torch import save_file
 
     from ..formats import TRANSLATION
     from .hf import _transformers
 
-    transformers = _transformers()
-    config, style = loaded.config, loaded.metadata["lang_codes"]
-    check_m2m_can_hold(config)
+    transformers, config = _transformers(), loaded.config
     write_m2m_tokenizer(staging, loaded.tgt_vocab, style)
     bos = loaded.tgt_vocab.pieces.index("<s>") if "<s>" in loaded.tgt_vocab.pieces else 0
     transformers.M2M100Config(**m2m_fields(config, bos)).save_pretrained(staging)
