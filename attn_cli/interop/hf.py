@@ -173,21 +173,28 @@ def _check_marian_can_hold(config: ModelConfig) -> None:
         raise AttnError(f"a Marian model cannot hold this model: {'; '.join(problems)}")
 
 
-def marian_fields(config: ModelConfig) -> dict:
-    """MarianConfig's fields for an attn model."""
+def bart_fields(config: ModelConfig) -> dict:
+    """The fields MarianConfig and M2M100Config (both BART's in transformers) take alike from
+    an attn model: its sizes, dropout, scaled embeddings and special ids."""
     return dict(
-        vocab_size=config.src_vocab_size, decoder_vocab_size=config.tgt_vocab_size,
         d_model=config.d_model, encoder_layers=config.encoder_layers,
         decoder_layers=config.decoder_layers, encoder_ffn_dim=config.d_ff,
         decoder_ffn_dim=config.d_ff, encoder_attention_heads=config.heads,
         decoder_attention_heads=config.heads, activation_function=config.activation,
         dropout=config.dropout, attention_dropout=config.attention_dropout,
-        activation_dropout=0.0, scale_embedding=True,
+        activation_dropout=0.0, scale_embedding=True, pad_token_id=config.pad_id,
+        eos_token_id=config.eos_id, decoder_start_token_id=config.bos_id,
+        forced_eos_token_id=config.eos_id, tie_word_embeddings=True)
+
+
+def marian_fields(config: ModelConfig) -> dict:
+    """MarianConfig's fields for an attn model."""
+    return dict(
+        bart_fields(config), vocab_size=config.src_vocab_size,
+        decoder_vocab_size=config.tgt_vocab_size,
         # the longest source attn reads, EOS included, and the longest output it writes
         max_position_embeddings=MAX_SOURCE_TOKENS + 1 + TRANSLATION.max_len_b,
-        pad_token_id=config.pad_id, eos_token_id=config.eos_id,
-        decoder_start_token_id=config.bos_id, forced_eos_token_id=config.eos_id,
-        share_encoder_decoder_embeddings=config.share_embeddings, tie_word_embeddings=True,
+        share_encoder_decoder_embeddings=config.share_embeddings,
         architectures=["MarianMTModel"])
 
 

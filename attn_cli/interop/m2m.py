@@ -252,17 +252,11 @@ def check_m2m_can_hold(config: ModelConfig) -> None:
 def m2m_fields(config: ModelConfig, bos: int) -> dict:
     """M2M100Config's fields for an attn model (`attn_config` read backwards); `bos`: the id
     of <s>, which the tokenizer names and no output starts with."""
-    return dict(
-        vocab_size=config.tgt_vocab_size, d_model=config.d_model,
-        encoder_layers=config.encoder_layers, decoder_layers=config.decoder_layers,
-        encoder_ffn_dim=config.d_ff, decoder_ffn_dim=config.d_ff,
-        encoder_attention_heads=config.heads, decoder_attention_heads=config.heads,
-        max_position_embeddings=config.max_positions, pad_token_id=config.pad_id,
-        bos_token_id=bos, eos_token_id=config.eos_id, decoder_start_token_id=config.bos_id,
-        forced_eos_token_id=config.eos_id, scale_embedding=True,
-        activation_function=config.activation, dropout=config.dropout,
-        attention_dropout=config.attention_dropout, activation_dropout=0.0,
-        tie_word_embeddings=True, architectures=["M2M100ForConditionalGeneration"])
+    from .hf import bart_fields
+
+    return dict(bart_fields(config), vocab_size=config.tgt_vocab_size,
+                max_position_embeddings=config.max_positions, bos_token_id=bos,
+                architectures=["M2M100ForConditionalGeneration"])
 
 
 def m2m_weights(model, config: ModelConfig) -> dict[str, Tensor]:
